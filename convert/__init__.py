@@ -1,0 +1,1 @@
+"""Checkpoint reading, recipes, W8A8 quantization math and the ascendV1 writer."""

@@ -1,0 +1,1 @@
+"""Triton kernels and the pure-PyTorch references beside them."""

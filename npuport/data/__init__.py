@@ -1,0 +1,1 @@
+"""Data shipped with npuport: the GSM8K test and train splits (MIT, see gsm8k/README.md)."""

@@ -1,0 +1,1 @@
+"""msModelSlim-schema YAML recipes shipped with npuport (data, not code)."""

@@ -1,0 +1,1 @@
+"""The Qwen3.5 runtime: model, caches and GDN state, MTP speculative decoding, devices, validation."""
