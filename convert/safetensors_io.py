@@ -128,14 +128,14 @@ class MappedShards:
         zero-copy read-only tensor over the mapped file."""
         dtype = DTYPES[entry.dtype]
         if not entry.shape:
-            return self._frombuffer(self.raw(entry, 0, entry.nbytes), dtype).reshape(())
+            return self.frombuffer(self.raw(entry, 0, entry.nbytes), dtype).reshape(())
         rows = entry.shape[0] - first_row if rows is None else rows
         row_bytes = entry.nbytes // entry.shape[0] if entry.shape[0] else 0
         buf = self.raw(entry, first_row * row_bytes, (first_row + rows) * row_bytes)
-        return self._frombuffer(buf, dtype).reshape(rows, *entry.shape[1:])
+        return self.frombuffer(buf, dtype).reshape(rows, *entry.shape[1:])
 
     @staticmethod
-    def _frombuffer(buf: memoryview, dtype: torch.dtype) -> torch.Tensor:
+    def frombuffer(buf: memoryview, dtype: torch.dtype) -> torch.Tensor:
         if len(buf) == 0:
             return torch.empty(0, dtype=dtype)
         with warnings.catch_warnings():
@@ -233,6 +233,10 @@ class ShardWriter:
         if self._written > spec.nbytes:
             raise AssertionError(f"{self.path}: {name} got more than its {spec.nbytes} bytes")
         self._f.write(data)
+
+    def abort(self) -> None:
+        """Close the file after a failure; the caller removes the partial output."""
+        self._f.close()
 
     def close(self) -> None:
         done = self._i == len(self.specs) - 1 and self._written == self.specs[-1].nbytes if self.specs else True

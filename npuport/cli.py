@@ -51,5 +51,51 @@ def make_tiny_cmd(out: Path, arch: str, layout: str, mtp_experts: str, size: str
     click.echo(f"wrote {arch} {size} Qwen3.5 checkpoint ({layout} layout) to {out}")
 
 
+@main.command("convert-qwen35")
+@click.argument("src", type=click.Path(path_type=Path, exists=True, file_okay=False))
+@click.argument("out", type=click.Path(path_type=Path))
+@click.option("--a8w8", "a8w8", is_flag=True, required=True,
+              help="W8A8_DYNAMIC: int8 weights per channel, int8 activations per token (the only scheme).")
+@click.option("--recipe", "recipe_path", type=click.Path(path_type=Path, exists=True, dir_okay=False),
+              help="An msModelSlim YAML recipe (default: the shipped Qwen3.5 dense or MoE recipe, from config.json).")
+@click.option("--force", is_flag=True, help="Replace OUT if it exists (only once the new artifact is complete).")
+@click.option("--workers", type=click.IntRange(1, 64), default=1, show_default=True,
+              help="Shards written in parallel; the output bytes do not depend on it.")
+@click.option("--skip-unsupported", is_flag=True,
+              help="Convert even if the recipe has steps npuport does not implement (e.g. smoothing); they are listed.")
+@click.option("--part-file-size", type=float, default=None, help="Shard size limit in GB (default: the recipe's, 4).")
+@click.option("--quiet", is_flag=True, help="No progress bar.")
+def convert_cmd(src: Path, out: Path, a8w8: bool, recipe_path: Path | None, force: bool, workers: int,
+                skip_unsupported: bool, part_file_size: float | None, quiet: bool) -> None:
+    """Convert the Qwen3.5 BF16 checkpoint SRC into an msModelSlim-format W8A8 artifact OUT.
+
+    The MTP head (mtp.*) and every layer on the ignore-list stay BF16; the ignore-list is printed and
+    saved in OUT/npuport_manifest.json. OUT appears only when complete and checked.
+    """
+    from npuport.convert.converter import convert_qwen35
+
+    result = convert_qwen35(src, out, recipe_path=recipe_path, force=force, workers=workers,
+                            skip_unsupported=skip_unsupported, part_file_size_gb=part_file_size,
+                            show_progress=not quiet, log=lambda m: click.echo(m, err=True))
+    mb = result.bytes_written / 1e6
+    click.echo(f"wrote {out} ({mb:.1f} MB, {len(result.plan.shards)} shard(s)) in {result.seconds:.1f} s; "
+               f"npuport check: OK")
+
+
+@main.command("check")
+@click.argument("artifact", type=click.Path(path_type=Path, exists=True, file_okay=False))
+def check_cmd(artifact: Path) -> None:
+    """Check ARTIFACT against the W8A8 checkpoint contract; list every violation, exit 1 if any."""
+    from npuport.convert.check import check_artifact
+
+    problems = check_artifact(artifact)
+    for p in problems:
+        click.echo(f"FAIL {p}")
+    if problems:
+        click.echo(f"{artifact}: {len(problems)} problem(s)", err=True)
+        sys.exit(1)
+    click.echo(f"{artifact}: OK")
+
+
 if __name__ == "__main__":
     main()

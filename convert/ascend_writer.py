@@ -1,0 +1,101 @@
+"""Write a plan as an msModelSlim ascendV1 artifact (CONTRACT.md): shards and their index, the
+description with a label for every tensor, the config without quantization_config, copied tokenizer and
+config files, the recipe as `<ModelName>_best_practice.yaml`, and npuport's manifest."""
+
+from __future__ import annotations
+
+import json
+import threading
+from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+from npuport.convert.plan import Plan, Unit
+from npuport.convert.safetensors_io import MappedShards, ShardWriter, shard_file_size
+
+DESCRIPTION_NAME = "quant_model_description.json"
+INDEX_NAME = "quant_model_weights.safetensors.index.json"
+SHARD_METADATA = {"format": "pt"}
+DESCRIPTION_GLOBALS = {"version": "1.0.0", "model_quant_type": "W8A8_DYNAMIC", "metadata": {}, "group_size": 0,
+                       "optional": {}}
+COPIED_SUFFIXES = (".json", ".py", ".txt", ".jinja", ".model", ".tiktoken")
+COPIED_PREFIXES = ("LICENSE", "NOTICE")
+
+
+def shard_names(n: int) -> list[str]:
+    if n == 1:
+        return ["quant_model_weights.safetensors"]
+    return [f"quant_model_weights-{k:05d}-of-{n:05d}.safetensors" for k in range(1, n + 1)]
+
+
+def planned_size(plan: Plan) -> int:
+    """Bytes the shards will take on disk (headers included)."""
+    return sum(shard_file_size([s for u in shard for s in u.specs], SHARD_METADATA) for shard in plan.shards)
+
+
+def write_shards(plan: Plan, out: Path, workers: int, on_bytes: Callable[[int], None]) -> None:
+    """Write every shard of `plan` into `out`; `workers` shards at a time, the same bytes for any count."""
+    names = shard_names(len(plan.shards))
+    reader = MappedShards()
+    lock = threading.Lock()
+
+    def advance(n: int) -> None:
+        with lock:
+            on_bytes(n)
+
+    def write_one(k: int) -> None:
+        units: list[Unit] = plan.shards[k]
+        writer = ShardWriter(out / names[k], [s for u in units for s in u.specs], SHARD_METADATA)
+        try:
+            for u in units:
+                for name, piece in u.produce(reader):
+                    writer.write(name, piece)
+                advance(u.source_bytes)
+        except BaseException:
+            writer.abort()
+            raise
+        writer.close()
+
+    try:
+        if workers <= 1:
+            for k in range(len(names)):
+                write_one(k)
+        else:
+            with ThreadPoolExecutor(max_workers=workers) as pool:
+                for f in [pool.submit(write_one, k) for k in range(len(names))]:
+                    f.result()
+    finally:
+        reader.close()
+    weight_map = {s.name: names[k] for k, shard in enumerate(plan.shards) for u in shard for s in u.specs}
+    index = {"metadata": {"total_size": plan.total_bytes}, "weight_map": weight_map}
+    write_json(out / INDEX_NAME, index)
+
+
+def write_description(plan: Plan, out: Path) -> None:
+    desc = dict(plan.description)
+    desc.update(DESCRIPTION_GLOBALS)
+    write_json(out / DESCRIPTION_NAME, desc)
+
+
+def strip_quantization_config(config: dict) -> dict:
+    """The source config without `quantization_config`, at the top level and inside `text_config`."""
+    config = {k: v for k, v in config.items() if k != "quantization_config"}
+    if isinstance(config.get("text_config"), dict):
+        config["text_config"] = {k: v for k, v in config["text_config"].items() if k != "quantization_config"}
+    return config
+
+
+def copied_files(src: Path) -> list[Path]:
+    """Top-level config, tokenizer and license files to copy unchanged (never an `*index.json`)."""
+    out = []
+    for p in sorted(src.iterdir()):
+        if not p.is_file() or p.name.endswith("index.json") or p.name == "config.json":
+            continue
+        if p.name.endswith(COPIED_SUFFIXES) or p.name.startswith(COPIED_PREFIXES):
+            out.append(p)
+    return out
+
+
+def write_json(path: Path, data: dict) -> None:
+    path.write_text(json.dumps(data, indent=2, ensure_ascii=False) + "\n", encoding="utf-8")
+

@@ -1,0 +1,164 @@
+"""`npuport check`: every rule of CONTRACT.md checked on an artifact folder, each violation listed."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+from npuport.convert.ascend_writer import DESCRIPTION_GLOBALS, INDEX_NAME
+from npuport.convert.labels import engine_float_reason
+from npuport.convert.qwen35_names import FUSED_EXPERTS, fused_group, is_linear_weight, is_mtp, split_param
+from npuport.convert.recipe import FLOAT, W8A8_DYNAMIC
+from npuport.convert.safetensors_io import MappedShards, TensorEntry, read_header
+from npuport.errors import CheckpointError
+
+QUANT_PARAMS = ("weight", "weight_scale", "weight_offset")
+SOURCE_ONLY_FILES = ("model.safetensors.index.json", "model.safetensors")
+
+
+def _load_json(path: Path, problems: list[str]) -> dict | None:
+    try:
+        data = json.loads(path.read_text(encoding="utf-8"))
+    except (OSError, ValueError) as e:
+        problems.append(f"{path.name}: cannot be read as JSON ({e})")
+        return None
+    if not isinstance(data, dict):
+        problems.append(f"{path.name}: not a JSON object")
+        return None
+    return data
+
+
+def _read_shards(art: Path, problems: list[str]) -> dict[str, TensorEntry]:
+    index = _load_json(art / INDEX_NAME, problems) if (art / INDEX_NAME).exists() else None
+    if index is None:
+        if not (art / INDEX_NAME).exists():
+            problems.append(f"{INDEX_NAME} is missing (written even for one shard)")
+        return {}
+    weight_map = index.get("weight_map") or {}
+    entries: dict[str, TensorEntry] = {}
+    for shard in sorted(set(weight_map.values())):
+        try:
+            found, _ = read_header(art / shard)
+        except CheckpointError as e:
+            problems.append(str(e).replace(str(art) + "/", ""))
+            continue
+        for name, entry in found.items():
+            if weight_map.get(name) != shard:
+                problems.append(f"{shard}: tensor {name} is not mapped to this shard in {INDEX_NAME}")
+            entries[name] = entry
+    for name, shard in weight_map.items():
+        if name not in entries and (art / shard).exists():
+            problems.append(f"{INDEX_NAME}: maps {name} to {shard}, which does not contain it")
+    total = (index.get("metadata") or {}).get("total_size")
+    if total != sum(e.nbytes for e in entries.values()):
+        problems.append(f"{INDEX_NAME}: metadata.total_size {total} != {sum(e.nbytes for e in entries.values())}")
+    for p in sorted(art.glob("*.safetensors")):
+        if p.name not in set(weight_map.values()):
+            problems.append(f"{p.name}: a safetensors file not named by {INDEX_NAME}")
+    return entries
+
+
+def _check_quantized(module: str, entries: dict[str, TensorEntry], desc: dict, reader: MappedShards,
+                     problems: list[str]) -> None:
+    w = entries[f"{module}.weight"]
+    if w.dtype != "I8" or len(w.shape) != 2:
+        problems.append(f"{w.name}: W8A8_DYNAMIC weight must be int8 [N, K], is {w.dtype} {list(w.shape)}")
+        return
+    for param in ("weight_scale", "weight_offset"):
+        name = f"{module}.{param}"
+        e = entries.get(name)
+        if e is None:
+            problems.append(f"{name}: missing for quantized layer {module}")
+            continue
+        if desc.get(name) != W8A8_DYNAMIC:
+            problems.append(f"{name}: labelled {desc.get(name)!r}, must be W8A8_DYNAMIC like {module}.weight")
+        if e.dtype != "F32" or e.shape != (w.shape[0], 1):
+            problems.append(f"{name}: must be float32 [{w.shape[0]}, 1], is {e.dtype} {list(e.shape)}")
+        elif param == "weight_offset" and bool(reader.view(e).any()):
+            problems.append(f"{name}: must be all zeros (engines ignore it)")
+        elif param == "weight_scale" and not bool((reader.view(e) > 0).all()):
+            problems.append(f"{name}: scales must be positive")
+    bias = entries.get(f"{module}.bias")
+    if bias is not None and (bias.dtype != "F32" or desc.get(bias.name) != FLOAT):
+        problems.append(f"{bias.name}: bias of a quantized layer must be float32 and labelled FLOAT")
+
+
+def check_artifact(art: Path) -> list[str]:
+    """Every violation of CONTRACT.md found in the artifact folder `art` (empty when it conforms)."""
+    art = Path(art)
+    if not art.is_dir():
+        return [f"{art}: not a folder"]
+    problems: list[str] = []
+    descs = sorted(p for p in art.iterdir() if p.name.endswith("quant_model_description.json"))
+    if len(descs) != 1:
+        problems.append(f"expected exactly one *quant_model_description.json, found {len(descs)}")
+    for name in SOURCE_ONLY_FILES:
+        if (art / name).exists():
+            problems.append(f"{name}: a BF16 source file; engines that find it load the wrong weights")
+    for p in art.glob("model-*-of-*.safetensors"):
+        problems.append(f"{p.name}: a BF16 source shard must not be in an artifact")
+    config = _load_json(art / "config.json", problems) if (art / "config.json").exists() else None
+    if config is None and not (art / "config.json").exists():
+        problems.append("config.json is missing")
+    if config is not None:
+        if "quantization_config" in config:
+            problems.append("config.json: has quantization_config (sglang would ignore the description)")
+        if isinstance(config.get("text_config"), dict) and "quantization_config" in config["text_config"]:
+            problems.append("config.json: text_config has quantization_config (sglang reads it instead)")
+    entries = _read_shards(art, problems)
+    desc = _load_json(descs[0], problems) if len(descs) == 1 else None
+    if desc is None:
+        return problems
+    for key, value in DESCRIPTION_GLOBALS.items():
+        if key == "model_quant_type":
+            continue
+        if desc.get(key) != value:
+            problems.append(f"description: {key} must be {value!r}, is {desc.get(key)!r}")
+    if desc.get("model_quant_type") not in (W8A8_DYNAMIC, FLOAT):
+        problems.append(f"description: model_quant_type {desc.get('model_quant_type')!r} is not W8A8_DYNAMIC")
+    labels = {k: v for k, v in desc.items() if k not in DESCRIPTION_GLOBALS}
+    for name in entries:
+        if name not in labels:
+            problems.append(f"{name}: tensor has no entry in the description")
+    for name, label in labels.items():
+        if name not in entries:
+            problems.append(f"{name}: description entry for a tensor that is not written")
+        elif label not in (W8A8_DYNAMIC, FLOAT):
+            problems.append(f"{name}: unknown label {label!r}")
+    reader = MappedShards()
+    try:
+        _check_layers(entries, labels, reader, problems)
+    finally:
+        reader.close()
+    return problems
+
+
+def _check_layers(entries: dict[str, TensorEntry], labels: dict, reader: MappedShards, problems: list[str]) -> None:
+    module_labels: dict[str, str] = {}
+    for name, e in entries.items():
+        label = labels.get(name)
+        module, param = split_param(name)
+        if FUSED_EXPERTS.match(name):
+            problems.append(f"{name}: experts must be stored per expert (mlp.experts.<e>.<proj>.weight)")
+        if is_mtp(name) and (label != FLOAT or e.dtype != "BF16"):
+            problems.append(f"{name}: every mtp.* tensor must be BF16 and FLOAT, is {e.dtype} {label}")
+        if label == W8A8_DYNAMIC and param not in QUANT_PARAMS:
+            problems.append(f"{name}: only weight/weight_scale/weight_offset of a quantized layer can be W8A8_DYNAMIC")
+        if param == "weight" and (is_linear_weight(name, e.shape) or label == W8A8_DYNAMIC):
+            module_labels[module] = label
+            if label == W8A8_DYNAMIC:
+                _check_quantized(module, entries, labels, reader, problems)
+            elif e.dtype == "I8":
+                problems.append(f"{name}: int8 weight labelled FLOAT")
+        if label == FLOAT and param in ("weight_scale", "weight_offset"):
+            problems.append(f"{name}: scale/offset of a FLOAT layer")
+    groups: dict[str, set[str]] = {}
+    for module, label in module_labels.items():
+        reason = engine_float_reason(module)
+        if reason and label != FLOAT:
+            problems.append(f"{module}: must stay FLOAT ({reason})")
+        groups.setdefault(fused_group(module), set()).add(label)
+    for group, found in sorted(groups.items()):
+        if len(found) > 1:
+            problems.append(f"{group}: fused pieces carry different labels {sorted(found)}")
+

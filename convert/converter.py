@@ -1,0 +1,158 @@
+"""`npuport convert-qwen35 --a8w8`: a Qwen3.5 BF16 source folder -> an msModelSlim-format W8A8 artifact.
+
+Everything is checked before a byte is written (source headers, recipe, disk space); the artifact is
+built in a temporary folder beside OUT, checked against the contract, and only then renamed into place.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import re
+import shutil
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+
+from tqdm import tqdm
+
+from npuport import __version__
+from npuport.convert.ascend_writer import (
+    copied_files,
+    planned_size,
+    strip_quantization_config,
+    write_description,
+    write_json,
+    write_shards,
+)
+from npuport.convert.check import check_artifact
+from npuport.convert.plan import Plan, build_plan
+from npuport.convert.recipe import Recipe, default_recipe_path, load_recipe
+from npuport.convert.source import SourceCheckpoint, open_source
+from npuport.errors import ArtifactError, NpuportError
+
+MANIFEST_NAME = "npuport_manifest.json"
+GB = 1024**3
+_HASH_CHUNK = 16 * 1024 * 1024
+
+
+@dataclass
+class ConversionResult:
+    out: Path
+    plan: Plan
+    recipe: Recipe
+    seconds: float
+    bytes_written: int
+
+
+def sha256_file(path: Path) -> str:
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        while chunk := f.read(_HASH_CHUNK):
+            h.update(chunk)
+    return h.hexdigest()
+
+
+def best_practice_name(src: Path) -> str:
+    """`<ModelName>_best_practice.yaml`, ModelName from the source folder's name."""
+    return re.sub(r"[^A-Za-z0-9._-]+", "_", src.resolve().name) + "_best_practice.yaml"
+
+
+def _check_disk(out_parent: Path, needed: int) -> None:
+    free = shutil.disk_usage(out_parent).free
+    if needed > free * 0.98:
+        raise NpuportError(
+            f"not enough disk space in {out_parent}: the artifact needs {needed / GB:.2f} GB, {free / GB:.2f} GB free"
+        )
+
+
+def _manifest(src: SourceCheckpoint, recipe: Recipe, plan: Plan, source_sha256: dict[str, str]) -> dict:
+    return {
+        "tool": "npuport",
+        "version": __version__,
+        "command": "convert-qwen35 --a8w8",
+        "scheme": "W8A8_DYNAMIC",
+        "source": {"name": src.path.resolve().name, "model_type": src.model_type, "sha256": source_sha256},
+        "recipe": {"name": recipe.name, "file": recipe.source_name,
+                   "sha256": hashlib.sha256(recipe.text.encode()).hexdigest(), "notes": recipe.notes},
+        "quantized_layers": sum(1 for lab in plan.linear_labels.values() if lab.label != "FLOAT"),
+        "ignore_list": [{"module": lab.module, "reason": lab.reason} for lab in plan.ignore_list],
+    }
+
+
+def convert_qwen35(
+    src: Path,
+    out: Path,
+    *,
+    recipe_path: Path | None = None,
+    force: bool = False,
+    workers: int = 1,
+    skip_unsupported: bool = False,
+    part_file_size_gb: float | None = None,
+    show_progress: bool = True,
+    log: Callable[[str], None] = print,
+) -> ConversionResult:
+    """Convert the Qwen3.5 BF16 checkpoint in `src` into a W8A8_DYNAMIC artifact at `out`."""
+    t0 = time.perf_counter()
+    src, out = Path(src), Path(out)
+    if out.exists() and not force:
+        raise NpuportError(f"{out} already exists; pass --force to replace it")
+    if out.resolve() == src.resolve():
+        raise NpuportError("the output folder must differ from the source folder")
+    source = open_source(src)
+    recipe = load_recipe(recipe_path or default_recipe_path(source.is_moe), allow_unsupported=skip_unsupported)
+    for note in recipe.notes:
+        log(f"recipe: {note}")
+    part_bytes = int((part_file_size_gb or recipe.part_file_size_gb) * GB)
+    plan = build_plan(source, recipe, part_bytes)
+    _log_plan(plan, log)
+    copies = copied_files(src)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    _check_disk(out.parent, planned_size(plan) + sum(p.stat().st_size for p in copies) + 1024 * 1024)
+    tmp = out.parent / f".{out.name}.npuport-partial"
+    shutil.rmtree(tmp, ignore_errors=True)
+    tmp.mkdir()
+    try:
+        total = sum(u.source_bytes for u in plan.units)
+        with tqdm(total=total, unit="B", unit_scale=True, desc="convert", disable=not show_progress) as bar:
+            write_shards(plan, tmp, workers, bar.update)
+        write_description(plan, tmp)
+        write_json(tmp / "config.json", strip_quantization_config(source.config))
+        for p in copies:
+            shutil.copyfile(p, tmp / p.name)
+        (tmp / best_practice_name(src)).write_text(recipe.text, encoding="utf-8")
+        source_sha = {p.name: sha256_file(p) for p in [*source.shard_files, src / "config.json"]}
+        write_json(tmp / MANIFEST_NAME, _manifest(source, recipe, plan, source_sha))
+        problems = check_artifact(tmp)
+        if problems:
+            raise ArtifactError("the written artifact fails the contract check:\n  " + "\n  ".join(problems))
+        _replace(tmp, out)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    written = sum(p.stat().st_size for p in out.iterdir())
+    return ConversionResult(out, plan, recipe, time.perf_counter() - t0, written)
+
+
+def _replace(tmp: Path, out: Path) -> None:
+    """Move the finished artifact into place; an existing OUT (--force) is removed only afterwards."""
+    old = None
+    if out.exists():
+        old = out.parent / f".{out.name}.npuport-old"
+        shutil.rmtree(old, ignore_errors=True)
+        out.rename(old)
+    tmp.rename(out)
+    if old is not None:
+        shutil.rmtree(old, ignore_errors=True)
+
+
+def _log_plan(plan: Plan, log: Callable[[str], None]) -> None:
+    ignored = plan.ignore_list
+    quantized = len(plan.linear_labels) - len(ignored)
+    log(f"{quantized} linear layers -> W8A8_DYNAMIC, {len(ignored)} kept BF16 (ignore-list):")
+    by_reason: dict[str, list[str]] = {}
+    for lab in ignored:
+        by_reason.setdefault(lab.reason, []).append(lab.module)
+    for reason, modules in by_reason.items():
+        shown = ", ".join(modules[:3]) + (f" and {len(modules) - 3} more" if len(modules) > 3 else "")
+        log(f"  FLOAT {len(modules):4d}  {reason}: {shown}")

@@ -1,0 +1,204 @@
+"""The conversion plan: every output tensor with its dtype, shape, label and how to produce it from the
+source, in model order, grouped into shards, before a byte is written. Output sizes are known from the
+source headers alone, so shard headers are written first and data streamed after them.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+
+import torch
+
+from npuport.convert.labels import LinearLabel, label_linears
+from npuport.convert.quantize import per_channel_scale, quantize_rows
+from npuport.convert.qwen35_names import (
+    FUSED_EXPERTS,
+    is_linear_weight,
+    model_order_key,
+    per_expert_module,
+    split_param,
+)
+from npuport.convert.recipe import FLOAT, W8A8_DYNAMIC, Recipe
+from npuport.convert.safetensors_io import DTYPES, MappedShards, OutSpec, TensorEntry, itemsize
+from npuport.convert.source import SourceCheckpoint
+from npuport.errors import CheckpointError
+
+BLOCK_BYTES = 64 * 1024 * 1024  # source bytes processed at once: bounds the working set
+
+
+@dataclass(frozen=True)
+class Region:
+    """A contiguous [rows, cols] matrix inside a source tensor, starting at element `offset`."""
+
+    entry: TensorEntry
+    offset: int
+    rows: int
+    cols: int
+
+    @property
+    def nbytes(self) -> int:
+        return self.rows * self.cols * itemsize(self.entry.dtype)
+
+    def rows_view(self, reader: MappedShards, first: int, count: int) -> torch.Tensor:
+        size = itemsize(self.entry.dtype)
+        begin = (self.offset + first * self.cols) * size
+        buf = reader.raw(self.entry, begin, begin + count * self.cols * size)
+        return MappedShards.frombuffer(buf, DTYPES[self.entry.dtype]).view(count, self.cols)
+
+    def release(self, reader: MappedShards, first: int, count: int) -> None:
+        size = itemsize(self.entry.dtype)
+        begin = (self.offset + first * self.cols) * size
+        reader.release(self.entry, begin, begin + count * self.cols * size)
+
+    def row_blocks(self) -> Iterator[tuple[int, int]]:
+        step = max(1, BLOCK_BYTES // max(1, self.cols * itemsize(self.entry.dtype)))
+        for r in range(0, self.rows, step):
+            yield r, min(step, self.rows - r)
+
+
+@dataclass
+class Unit:
+    """Output tensors produced together (a quantized weight with its scale and offset, or one copy)."""
+
+    specs: list[OutSpec]
+    labels: list[str]
+    region: Region
+    kind: str  # "copy" | "quantize" | "to_float32"
+
+    @property
+    def nbytes(self) -> int:
+        return sum(s.nbytes for s in self.specs)
+
+    @property
+    def source_bytes(self) -> int:
+        return self.region.nbytes
+
+    def produce(self, reader: MappedShards) -> Iterator[tuple[str, torch.Tensor | memoryview]]:
+        """Yield (tensor name, next piece of its bytes) in spec order."""
+        if self.kind == "copy":
+            size = itemsize(self.region.entry.dtype)
+            start, total = self.region.offset * size, self.region.nbytes
+            for b in range(0, total, BLOCK_BYTES):
+                e = min(total, b + BLOCK_BYTES)
+                yield self.specs[0].name, reader.raw(self.region.entry, start + b, start + e)
+                reader.release(self.region.entry, start + b, start + e)
+        elif self.kind == "to_float32":
+            yield self.specs[0].name, self.region.rows_view(reader, 0, self.region.rows).float().reshape(-1)
+        else:
+            yield from self._quantize(reader)
+
+    def _quantize(self, reader: MappedShards) -> Iterator[tuple[str, torch.Tensor]]:
+        scales = []
+        r = self.region
+        for first, count in r.row_blocks():
+            w = r.rows_view(reader, first, count)
+            if not torch.isfinite(w).all():
+                bad = first + int((~torch.isfinite(w)).any(dim=1).nonzero()[0])
+                raise CheckpointError(
+                    f"{r.entry.file}: tensor {r.entry.name!r}: NaN or Inf in row {bad} of a weight to quantize "
+                    f"({self.specs[0].name})"
+                )
+            scale = per_channel_scale(w)
+            yield self.specs[0].name, quantize_rows(w, scale)
+            scales.append(scale)
+            r.release(reader, first, count)
+        yield self.specs[1].name, torch.cat(scales).float()
+        yield self.specs[2].name, torch.zeros(r.rows, dtype=torch.float32)
+
+
+@dataclass
+class Plan:
+    units: list[Unit]  # model order
+    linear_labels: dict[str, LinearLabel]
+    shards: list[list[Unit]] = field(default_factory=list)
+
+    @property
+    def description(self) -> dict[str, str]:
+        """Tensor name -> label, in write order (the global keys are added by the writer)."""
+        return {s.name: lab for u in self.units for s, lab in zip(u.specs, u.labels, strict=True)}
+
+    @property
+    def ignore_list(self) -> list[LinearLabel]:
+        return [lab for lab in self.linear_labels.values() if lab.label == FLOAT]
+
+    @property
+    def total_bytes(self) -> int:
+        return sum(u.nbytes for u in self.units)
+
+
+def _quantized_unit(module: str, region: Region) -> Unit:
+    specs = [
+        OutSpec(f"{module}.weight", "I8", (region.rows, region.cols)),
+        OutSpec(f"{module}.weight_scale", "F32", (region.rows, 1)),
+        OutSpec(f"{module}.weight_offset", "F32", (region.rows, 1)),
+    ]
+    return Unit(specs, [W8A8_DYNAMIC] * 3, region, "quantize")
+
+
+def _float_unit(name: str, region: Region, shape: tuple[int, ...]) -> Unit:
+    return Unit([OutSpec(name, region.entry.dtype, shape)], [FLOAT], region, "copy")
+
+
+def _linear_regions(src: SourceCheckpoint) -> dict[str, Region]:
+    """Every linear module (experts split per expert) -> where its [N, K] weight lies in the source."""
+    regions: dict[str, Region] = {}
+    for name, e in src.entries.items():
+        fused = FUSED_EXPERTS.match(name)
+        if fused:
+            if len(e.shape) != 3:
+                raise CheckpointError(f"{e.file}: fused experts tensor {name!r} has shape {list(e.shape)}, expected 3-D")
+            n_exp, rows, cols = e.shape
+            for x in range(n_exp):
+                base = x * rows * cols
+                if fused["kind"] == "gate_up_proj":  # [E, 2I, H]: gate rows first, then up
+                    half = rows // 2
+                    regions[per_expert_module(fused["experts"], x, "gate_proj")] = Region(e, base, half, cols)
+                    regions[per_expert_module(fused["experts"], x, "up_proj")] = Region(e, base + half * cols, half, cols)
+                else:  # down_proj [E, H, I]
+                    regions[per_expert_module(fused["experts"], x, "down_proj")] = Region(e, base, rows, cols)
+        elif is_linear_weight(name, e.shape):
+            regions[split_param(name)[0]] = Region(e, 0, e.shape[0], e.shape[1])
+    return regions
+
+
+def build_plan(src: SourceCheckpoint, recipe: Recipe, part_file_bytes: int) -> Plan:
+    regions = _linear_regions(src)
+    modules = sorted(regions, key=lambda m: model_order_key(m + ".weight"))
+    labels = label_linears(modules, recipe)
+    units: list[Unit] = []
+    for m in modules:
+        region = regions[m]
+        if labels[m].label == W8A8_DYNAMIC:
+            if region.entry.dtype not in ("BF16", "F16", "F32"):
+                raise CheckpointError(f"{region.entry.file}: tensor {region.entry.name!r}: cannot quantize {region.entry.dtype}")
+            units.append(_quantized_unit(m, region))
+        else:
+            units.append(_float_unit(f"{m}.weight", region, (region.rows, region.cols)))
+    for name, e in src.entries.items():
+        if FUSED_EXPERTS.match(name) or is_linear_weight(name, e.shape):
+            continue
+        module, param = split_param(name)
+        region = Region(e, 0, e.shape[0] if e.shape else 1, e.numel // (e.shape[0] if e.shape and e.shape[0] else 1))
+        if param == "bias" and labels.get(module) and labels[module].label == W8A8_DYNAMIC:
+            units.append(Unit([OutSpec(name, "F32", e.shape)], [FLOAT], region, "to_float32"))
+        else:
+            units.append(_float_unit(name, region, e.shape))
+    units.sort(key=lambda u: model_order_key(u.specs[0].name))
+    plan = Plan(units, labels)
+    plan.shards = _pack(units, part_file_bytes)
+    return plan
+
+
+def _pack(units: list[Unit], limit: int) -> list[list[Unit]]:
+    """Shards in model order, each at most `limit` bytes unless a single unit is larger."""
+    shards: list[list[Unit]] = [[]]
+    size = 0
+    for u in units:
+        if shards[-1] and size + u.nbytes > limit:
+            shards.append([])
+            size = 0
+        shards[-1].append(u)
+        size += u.nbytes
+    return shards
+
