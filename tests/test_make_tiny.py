@@ -1,0 +1,66 @@
+"""make-tiny writes real Qwen3.5 checkpoints: transformers loads every tensor (none missing, none
+unexpected but mtp.*), the tokenizer loads through AutoTokenizer, and the bytes are deterministic."""
+
+from __future__ import annotations
+
+import json
+import math
+
+import pytest
+import torch
+from click.testing import CliRunner
+from transformers import AutoConfig, AutoModelForCausalLM, AutoModelForImageTextToText, AutoTokenizer
+
+from npuport.cli import main
+from npuport.tiny_checkpoint import PRESETS, TinySpec, tensor_shapes
+
+
+@pytest.mark.parametrize("kind", ["dense-multimodal", "dense-text", "moe-multimodal-fused", "moe-text-per-expert"])
+def test_transformers_loads_every_tensor(tiny_checkpoints, kind):
+    path = tiny_checkpoints[kind]
+    cls = AutoModelForImageTextToText if "multimodal" in kind else AutoModelForCausalLM
+    model, info = cls.from_pretrained(path, dtype=torch.float32, output_loading_info=True)
+    assert not info["missing_keys"] and not info["mismatched_keys"], info
+    index = json.loads((path / "model.safetensors.index.json").read_text())["weight_map"]
+    assert set(model.state_dict()) <= set(index), "every model parameter comes from the checkpoint"
+    assert all(k.startswith("mtp.") for k in info["unexpected_keys"])
+    assert any(k.startswith("mtp.") for k in index), "the MTP head is in the checkpoint"
+    total = sum(p.stat().st_size for p in path.iterdir())
+    assert total < 5 * 1024 * 1024
+
+
+def test_tokenizer_and_chat_template(tiny_checkpoints):
+    tok = AutoTokenizer.from_pretrained(tiny_checkpoints["dense-text"])
+    text = "Natalia sold clips to 48 of her friends in April."
+    ids = tok(text)["input_ids"]
+    assert tok.decode(ids) == text and len(ids) < len(text) / 2
+    chat = tok.apply_chat_template([{"role": "user", "content": "2+2?"}], tokenize=False, add_generation_prompt=True)
+    assert chat == "<|im_start|>user\n2+2?<|im_end|>\n<|im_start|>assistant\n"
+    assert tok.eos_token == "<|im_end|>"
+
+
+def test_same_seed_gives_identical_bytes(tmp_path):
+    outs = [tmp_path / "a", tmp_path / "b"]
+    for out in outs:
+        assert CliRunner().invoke(main, ["make-tiny", str(out), "--arch", "moe"]).exit_code == 0
+    files = sorted(p.name for p in outs[0].iterdir())
+    assert files == sorted(p.name for p in outs[1].iterdir())
+    for name in files:
+        assert (outs[0] / name).read_bytes() == (outs[1] / name).read_bytes(), name
+    other = tmp_path / "c"
+    assert CliRunner().invoke(main, ["make-tiny", str(other), "--arch", "moe", "--seed", "1"]).exit_code == 0
+    assert (other / "model-00002-of-00003.safetensors").read_bytes() != (outs[0] / "model-00002-of-00003.safetensors").read_bytes()
+
+
+def test_mid_preset_is_a_few_gigabytes_with_real_proportions():
+    for arch in ("dense", "moe"):
+        n = sum(math.prod(s) for _, s in tensor_shapes(TinySpec(arch=arch, size="mid"), PRESETS["mid"].vocab_size))
+        assert 2e9 < 2 * n < 8e9, (arch, 2 * n)
+    cfg_sizes = PRESETS["mid"]
+    assert cfg_sizes.linear_key_head_dim == cfg_sizes.linear_value_head_dim == 128
+
+
+def test_config_loads_as_qwen35(tiny_checkpoints):
+    cfg = AutoConfig.from_pretrained(tiny_checkpoints["moe-multimodal-fused"])
+    assert cfg.model_type == "qwen3_5_moe"
+    assert cfg.text_config.layer_types == ["linear_attention"] * 3 + ["full_attention"]
