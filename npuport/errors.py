@@ -15,3 +15,7 @@ class RecipeError(NpuportError):
 
 class ArtifactError(NpuportError):
     """An artifact violates the checkpoint contract or cannot be loaded."""
+
+
+class EndpointError(NpuportError):
+    """An OpenAI-compatible server is unreachable, times out, or answers something unusable; names the URL."""

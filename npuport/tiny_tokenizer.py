@@ -5,10 +5,11 @@ from __future__ import annotations
 
 import json
 from functools import lru_cache
-from importlib import resources
 from pathlib import Path
 
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+
+from npuport.runtime.gsm8k import gsm8k_path
 
 ENDOFTEXT = "<|endoftext|>"
 IM_START = "<|im_start|>"
@@ -21,11 +22,6 @@ CHAT_TEMPLATE = (
     "{%- endfor %}"
     "{%- if add_generation_prompt %}{{- '<|im_start|>assistant\\n' }}{%- endif %}"
 )
-
-
-def gsm8k_path(split: str) -> Path:
-    """The GSM8K split shipped with the package (MIT; notice in the same folder)."""
-    return Path(str(resources.files("npuport.data") / "gsm8k" / f"{split}.jsonl"))
 
 
 def gsm8k_train_texts() -> list[str]:
