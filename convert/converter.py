@@ -28,7 +28,7 @@ from npuport.convert.ascend_writer import (
 from npuport.convert.check import check_artifact
 from npuport.convert.plan import Plan, build_plan
 from npuport.convert.recipe import Recipe, default_recipe_path, load_recipe
-from npuport.convert.source import SourceCheckpoint, open_source
+from npuport.convert.source import INDEX_NAME, SourceCheckpoint, open_source
 from npuport.errors import ArtifactError, NpuportError
 
 MANIFEST_NAME = "npuport_manifest.json"
@@ -53,6 +53,26 @@ def sha256_file(path: Path) -> str:
     return h.hexdigest()
 
 
+def source_identity(source: SourceCheckpoint, full_sha256: bool) -> dict[str, str]:
+    """Checksums identifying the source. By default a fingerprint: sha256 of config.json, the index and
+    every shard's size and safetensors header (cheap, exact for any renamed, resharded or re-exported
+    source); with `full_sha256`, the sha256 of every shard's bytes as well (one more read of the source)."""
+    h = hashlib.sha256()
+    for p in sorted({source.path / "config.json", source.path / INDEX_NAME, *source.shard_files}):
+        if not p.exists():
+            continue
+        size = p.stat().st_size
+        h.update(f"{p.name}\0{size}\0".encode())
+        with open(p, "rb") as f:
+            head = f.read(8)
+            n = int.from_bytes(head, "little") if p.suffix == ".safetensors" else size - 8
+            h.update(head + f.read(n))
+    out = {"fingerprint_sha256": h.hexdigest()}
+    if full_sha256:
+        out.update({p.name: sha256_file(p) for p in source.shard_files})
+    return out
+
+
 def best_practice_name(src: Path) -> str:
     """`<ModelName>_best_practice.yaml`, ModelName from the source folder's name."""
     return re.sub(r"[^A-Za-z0-9._-]+", "_", src.resolve().name) + "_best_practice.yaml"
@@ -66,13 +86,13 @@ def _check_disk(out_parent: Path, needed: int) -> None:
         )
 
 
-def _manifest(src: SourceCheckpoint, recipe: Recipe, plan: Plan, source_sha256: dict[str, str]) -> dict:
+def _manifest(src: SourceCheckpoint, recipe: Recipe, plan: Plan, source_checksums: dict[str, str]) -> dict:
     return {
         "tool": "npuport",
         "version": __version__,
         "command": "convert-qwen35 --a8w8",
         "scheme": "W8A8_DYNAMIC",
-        "source": {"name": src.path.resolve().name, "model_type": src.model_type, "sha256": source_sha256},
+        "source": {"name": src.path.resolve().name, "model_type": src.model_type, "checksums": source_checksums},
         "recipe": {"name": recipe.name, "file": recipe.source_name,
                    "sha256": hashlib.sha256(recipe.text.encode()).hexdigest(), "notes": recipe.notes},
         "quantized_layers": sum(1 for lab in plan.linear_labels.values() if lab.label != "FLOAT"),
@@ -90,6 +110,7 @@ def convert_qwen35(
     skip_unsupported: bool = False,
     part_file_size_gb: float | None = None,
     show_progress: bool = True,
+    full_sha256: bool = False,
     log: Callable[[str], None] = print,
 ) -> ConversionResult:
     """Convert the Qwen3.5 BF16 checkpoint in `src` into a W8A8_DYNAMIC artifact at `out`."""
@@ -121,8 +142,7 @@ def convert_qwen35(
         for p in copies:
             shutil.copyfile(p, tmp / p.name)
         (tmp / best_practice_name(src)).write_text(recipe.text, encoding="utf-8")
-        source_sha = {p.name: sha256_file(p) for p in [*source.shard_files, src / "config.json"]}
-        write_json(tmp / MANIFEST_NAME, _manifest(source, recipe, plan, source_sha))
+        write_json(tmp / MANIFEST_NAME, _manifest(source, recipe, plan, source_identity(source, full_sha256)))
         problems = check_artifact(tmp)
         if problems:
             raise ArtifactError("the written artifact fails the contract check:\n  " + "\n  ".join(problems))

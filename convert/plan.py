@@ -93,13 +93,13 @@ class Unit:
         r = self.region
         for first, count in r.row_blocks():
             w = r.rows_view(reader, first, count)
-            if not torch.isfinite(w).all():
-                bad = first + int((~torch.isfinite(w)).any(dim=1).nonzero()[0])
+            scale = per_channel_scale(w)  # a NaN or Inf anywhere in a row makes its max, so its scale, non-finite
+            if not torch.isfinite(scale).all():
+                bad = first + int((~torch.isfinite(scale)).nonzero()[0])
                 raise CheckpointError(
                     f"{r.entry.file}: tensor {r.entry.name!r}: NaN or Inf in row {bad} of a weight to quantize "
                     f"({self.specs[0].name})"
                 )
-            scale = per_channel_scale(w)
             yield self.specs[0].name, quantize_rows(w, scale)
             scales.append(scale)
             r.release(reader, first, count)

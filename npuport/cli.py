@@ -64,9 +64,12 @@ def make_tiny_cmd(out: Path, arch: str, layout: str, mtp_experts: str, size: str
 @click.option("--skip-unsupported", is_flag=True,
               help="Convert even if the recipe has steps npuport does not implement (e.g. smoothing); they are listed.")
 @click.option("--part-file-size", type=float, default=None, help="Shard size limit in GB (default: the recipe's, 4).")
+@click.option("--source-sha256", is_flag=True,
+              help="Record the sha256 of every source shard in the manifest (one more read of the source); "
+                   "by default a fingerprint of the config, index and shard headers is recorded.")
 @click.option("--quiet", is_flag=True, help="No progress bar.")
 def convert_cmd(src: Path, out: Path, a8w8: bool, recipe_path: Path | None, force: bool, workers: int,
-                skip_unsupported: bool, part_file_size: float | None, quiet: bool) -> None:
+                skip_unsupported: bool, part_file_size: float | None, source_sha256: bool, quiet: bool) -> None:
     """Convert the Qwen3.5 BF16 checkpoint SRC into an msModelSlim-format W8A8 artifact OUT.
 
     The MTP head (mtp.*) and every layer on the ignore-list stay BF16; the ignore-list is printed and
@@ -76,7 +79,7 @@ def convert_cmd(src: Path, out: Path, a8w8: bool, recipe_path: Path | None, forc
 
     result = convert_qwen35(src, out, recipe_path=recipe_path, force=force, workers=workers,
                             skip_unsupported=skip_unsupported, part_file_size_gb=part_file_size,
-                            show_progress=not quiet, log=lambda m: click.echo(m, err=True))
+                            show_progress=not quiet, full_sha256=source_sha256, log=lambda m: click.echo(m, err=True))
     mb = result.bytes_written / 1e6
     click.echo(f"wrote {out} ({mb:.1f} MB, {len(result.plan.shards)} shard(s)) in {result.seconds:.1f} s; "
                f"npuport check: OK")

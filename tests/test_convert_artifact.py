@@ -131,7 +131,7 @@ def test_manifest_records_ignore_list_with_reasons(converted):
     assert "MTP head" in reasons["mtp.fc"]
     assert "o_proj" in reasons["model.language_model.layers.3.self_attn.o_proj"]
     assert "model.language_model.layers.0.mlp.shared_expert.gate_proj" in reasons
-    assert len(manifest["source"]["sha256"]) >= 3
+    assert len(manifest["source"]["checksums"]["fingerprint_sha256"]) == 64
 
 
 def test_copied_files_and_config(tiny_checkpoints, converted):
