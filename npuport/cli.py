@@ -100,5 +100,17 @@ def check_cmd(artifact: Path) -> None:
     click.echo(f"{artifact}: OK")
 
 
+@main.command("demo")
+@click.option("--workdir", type=click.Path(path_type=Path), default=Path("npuport-demo"), show_default=True,
+              help="Where the demo writes; rebuilt on every run (only if an earlier demo made it).")
+@click.option("--arch", type=click.Choice(["dense", "moe"]), default="moe", show_default=True)
+def demo_cmd(workdir: Path, arch: str) -> None:
+    """Run the whole job on a generated tiny Qwen3.5: make a source, convert it to W8A8, check it."""
+    from npuport.demo import run_demo
+
+    out = run_demo(workdir, arch, log=lambda m: click.echo(m))
+    click.echo(f"demo done; everything is under {out.workdir}")
+
+
 if __name__ == "__main__":
     main()

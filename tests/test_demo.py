@@ -1,0 +1,24 @@
+"""`npuport demo` runs end to end from the command line and leaves a checked artifact."""
+
+from __future__ import annotations
+
+from click.testing import CliRunner
+
+from npuport.cli import main
+from npuport.convert.check import check_artifact
+
+
+def test_demo_end_to_end(tmp_path):
+    workdir = tmp_path / "demo"
+    result = CliRunner().invoke(main, ["demo", "--workdir", str(workdir)])
+    assert result.exit_code == 0, result.output
+    assert "npuport check" in result.output and "OK" in result.output
+    assert check_artifact(workdir / "artifact-w8a8") == []
+    rerun = CliRunner().invoke(main, ["demo", "--workdir", str(workdir)])
+    assert rerun.exit_code == 0, rerun.output
+
+
+def test_demo_refuses_a_folder_it_did_not_make(tmp_path):
+    (tmp_path / "mine").mkdir()
+    result = CliRunner().invoke(main, ["demo", "--workdir", str(tmp_path / "mine")])
+    assert result.exit_code == 1 and "not made by `npuport demo`" in result.output
