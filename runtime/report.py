@@ -91,6 +91,16 @@ class MTPAcceptance:
 
 
 @dataclass
+class Gate:
+    """One pass/fail verdict on the figures, e.g. name "max-accuracy-drop 1.0 points", detail "W8A8 -0.4 vs BF16".
+    A release is not packaged while any gate has passed=False (unless forced)."""
+
+    name: str
+    passed: bool
+    detail: str = ""
+
+
+@dataclass
 class ValidationReport:
     """Everything one validation run measured. Empty sections (no reference, no MTP, ...) are left out."""
 
@@ -106,6 +116,7 @@ class ValidationReport:
     mtp: MTPAcceptance | None = None
     dtypes: dict[str, str] = field(default_factory=dict)
     settings: dict[str, Any] = field(default_factory=dict)  # anything else the run records (URL, batch size)
+    gates: list[Gate] = field(default_factory=list)
 
 
 @dataclass(frozen=True)
@@ -170,6 +181,8 @@ def report_dict(report: ValidationReport) -> dict[str, Any]:
         data["throughput"] = [asdict(run) for run in report.throughput]
     if report.mtp is not None:
         data["mtp"] = asdict(report.mtp)
+    if report.gates:
+        data["gates"] = [asdict(gate) for gate in report.gates]
     return data
 
 
@@ -301,6 +314,13 @@ def _mtp_section(mtp: MTPAcceptance) -> list[str]:
     return lines
 
 
+def _gates_section(gates: Sequence[Gate]) -> list[str]:
+    failed = sum(not gate.passed for gate in gates)
+    verdict = f"{failed} of {len(gates)} gate(s) FAILED." if failed else f"All {len(gates)} gate(s) passed."
+    return ["## Gates", "", verdict, ""] + _table(
+        ["gate", "result", "detail"], [[gate.name, "pass" if gate.passed else "FAIL", gate.detail] for gate in gates])
+
+
 def render_markdown(report: ValidationReport, plots: Sequence[Path] = ()) -> str:
     """report.md: the tables a person reads, then the plots."""
     versions = library_versions()
@@ -314,6 +334,8 @@ def render_markdown(report: ValidationReport, plots: Sequence[Path] = ()) -> str
     for key, value in report.settings.items():
         lines.append(f"- {key}: {value}")
     lines.append("")
+    if report.gates:
+        lines += _gates_section(report.gates)
     if report.accuracy:
         lines += _accuracy_section(report) + _comparison_section(report)
     if report.fidelity is not None:

@@ -21,3 +21,25 @@ def tiny_checkpoints(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path
     """kind -> path of a tiny BF16 source checkpoint, for every kind in CHECKPOINT_KINDS."""
     root = tmp_path_factory.mktemp("sources")
     return {kind: make_tiny(root / kind, spec) for kind, spec in CHECKPOINT_KINDS.items()}
+
+
+@pytest.fixture(scope="session")
+def tiny_artifacts(tiny_checkpoints: dict[str, Path], tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
+    """kind -> path of the W8A8 artifact convert_qwen35 writes from that tiny source (default recipe)."""
+    from npuport.convert.converter import convert_qwen35
+
+    root = tmp_path_factory.mktemp("artifacts")
+    return {kind: convert_qwen35(src, root / kind, show_progress=False, log=lambda _: None).out
+            for kind, src in tiny_checkpoints.items()}
+
+
+@pytest.fixture(scope="module")
+def one_cpu_thread():
+    """One intra-op thread for a module: tiny models on a shared 2-core CPU run many times faster than with a
+    contended thread pool. Restores the previous setting afterwards."""
+    import torch
+
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)

@@ -1,0 +1,214 @@
+"""Generation: prefill (one pass or in chunks), decode, and MTP speculative decoding - draft k tokens with
+the MTP head, verify k + 1 positions in one target forward, accept, commit per request - with stop tokens,
+max tokens and acceptance statistics per draft position (QWEN35.md, "Verify, accept, commit")."""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass
+
+import torch
+
+from npuport.errors import NpuportError
+from npuport.runtime.model import Qwen35
+from npuport.runtime.sampling import SamplingParams, accept_drafts, make_generator, sample
+from npuport.runtime.state import ModelState, commit_accepted
+
+MAX_DRAFTS = 4
+
+
+@dataclass
+class AcceptanceStats:
+    """Per request: verify rounds, drafts accepted, and accepted_at[j] = rounds in which draft j + 1 was
+    accepted (counted as verified, before stop tokens or max tokens cut the output)."""
+
+    k: int
+    rounds: list[int]
+    accepted: list[int]
+    accepted_at: list[list[int]]
+
+    @classmethod
+    def empty(cls, batch: int, k: int) -> AcceptanceStats:
+        return cls(k, [0] * batch, [0] * batch, [[0] * k for _ in range(batch)])
+
+    def record(self, accepted: torch.Tensor, active: torch.Tensor) -> None:
+        for b, (a, live) in enumerate(zip(accepted.tolist(), active.tolist(), strict=True)):
+            if live:
+                self.rounds[b] += 1
+                self.accepted[b] += a
+                for j in range(a):
+                    self.accepted_at[b][j] += 1
+
+    def acceptance_rate_per_position(self) -> list[float]:
+        """Over the batch: the fraction of rounds in which draft j + 1 was accepted."""
+        rounds = sum(self.rounds)
+        return [sum(per[j] for per in self.accepted_at) / rounds if rounds else 0.0 for j in range(self.k)]
+
+    def mean_accepted_length(self) -> float:
+        """Tokens per verify round over the batch (accepted drafts + the one the target adds)."""
+        rounds = sum(self.rounds)
+        return (sum(self.accepted) + rounds) / rounds if rounds else 0.0
+
+    def to_dict(self) -> dict:
+        return {
+            "k": self.k,
+            "rounds": self.rounds,
+            "accepted": self.accepted,
+            "accepted_at": self.accepted_at,
+            "acceptance_rate_per_position": self.acceptance_rate_per_position(),
+            "mean_accepted_length": self.mean_accepted_length(),
+        }
+
+
+@dataclass
+class GenerationResult:
+    tokens: list[list[int]]  # new tokens per request, a stop token included
+    finish_reasons: list[str]  # "stop" or "length"
+    stats: AcceptanceStats | None = None  # None without MTP
+
+
+class _Outputs:
+    """The tokens each request has produced, and why it finished (None while it runs)."""
+
+    def __init__(self, batch: int, max_new_tokens: int, stop_tokens: Iterable[int]) -> None:
+        self.max_new_tokens, self.stop_tokens = max_new_tokens, frozenset(stop_tokens)
+        self.tokens: list[list[int]] = [[] for _ in range(batch)]
+        self.reasons: list[str | None] = [None] * batch
+
+    def add(self, new: torch.Tensor, counts: torch.Tensor) -> None:
+        """Append the first counts[b] tokens of new[b] ([B, n]) to unfinished request b, up to a stop token
+        or max_new_tokens."""
+        for b, (row, n) in enumerate(zip(new.tolist(), counts.tolist(), strict=True)):
+            for tok in row[:n]:
+                if self.reasons[b] is not None:
+                    break
+                self.tokens[b].append(tok)
+                if tok in self.stop_tokens:
+                    self.reasons[b] = "stop"
+                elif len(self.tokens[b]) >= self.max_new_tokens:
+                    self.reasons[b] = "length"
+
+    def active(self, device: torch.device) -> torch.Tensor:
+        return torch.tensor([r is None for r in self.reasons], device=device)
+
+
+def pad_prompts(prompts: Sequence[Sequence[int]], device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+    """Token id lists -> (tokens [B, T] right-padded with 0, lengths [B])."""
+    if not prompts or any(len(p) == 0 for p in prompts):
+        raise NpuportError("every prompt needs at least one token")
+    lengths = torch.tensor([len(p) for p in prompts], device=device)
+    tokens = torch.zeros(len(prompts), int(lengths.max()), dtype=torch.long, device=device)
+    for b, p in enumerate(prompts):
+        tokens[b, : len(p)] = torch.tensor(list(p), dtype=torch.long, device=device)
+    return tokens, lengths
+
+
+def prefill(model: Qwen35, state: ModelState, tokens: torch.Tensor, lengths: torch.Tensor,
+            chunk_size: int | None = None, hidden_states: list[torch.Tensor] | None = None) -> torch.Tensor:
+    """Run tokens [B, T] (row b real up to lengths[b]) through the target in one pass or in chunks of
+    chunk_size, committing them. Returns the final-normed hidden [B, T, hidden]."""
+    chunk = chunk_size or tokens.shape[1]
+    out = []
+    for s in range(0, tokens.shape[1], chunk):
+        n_valid = (lengths - s).clamp(0, min(chunk, tokens.shape[1] - s))
+        out.append(model(tokens[:, s : s + chunk], state, n_valid, hidden_states))
+        commit_accepted(state, n_valid)
+    return torch.cat(out, dim=1)
+
+
+def mtp_prefill(model: Qwen35, state: ModelState, next_tokens: torch.Tensor, hidden: torch.Tensor,
+                lengths: torch.Tensor, chunk_size: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """Fill the MTP head's cache over the prompt: row t pairs next_tokens[:, t] (the token after t) with the
+    target's hidden[:, t]. Returns logits [B, V] and the head's output [B, hidden] at each last real row."""
+    chunk = chunk_size or next_tokens.shape[1]
+    rows = torch.arange(len(lengths), device=lengths.device)
+    logits = outs = None
+    for s in range(0, next_tokens.shape[1], chunk):
+        n_valid = (lengths - s).clamp(0, min(chunk, next_tokens.shape[1] - s))
+        last = (lengths - 1 - s).clamp(0, next_tokens[:, s : s + chunk].shape[1] - 1)
+        lg, out = model.mtp_forward(next_tokens[:, s : s + chunk], hidden[:, s : s + chunk], state, logits_at=last)
+        commit_accepted(state, n_valid)
+        ends_here = ((lengths - 1 >= s) & (lengths - 1 < s + chunk))[:, None]
+        logits = lg[:, 0] if logits is None else torch.where(ends_here, lg[:, 0], logits)
+        outs = out[rows, last] if outs is None else torch.where(ends_here, out[rows, last], outs)
+    return logits, outs
+
+
+def draft(model: Qwen35, state: ModelState, logits: torch.Tensor, hidden: torch.Tensor, k: int) -> torch.Tensor:
+    """k argmax drafts [B, k]: the first from the head's logits [B, V] at its last committed row, each
+    further one from the head run at the next position on the previous draft and its own output [B, hidden]."""
+    tok = logits.argmax(-1)
+    drafts = [tok]
+    for j in range(1, k):
+        lg, out = model.mtp_forward(tok[:, None], hidden[:, None], state, start=state.positions + (j - 1))
+        tok, hidden = lg[:, 0].argmax(-1), out[:, 0]
+        drafts.append(tok)
+    return torch.stack(drafts, dim=1)
+
+
+@torch.no_grad()
+def generate(model: Qwen35, prompts: Sequence[Sequence[int]], max_new_tokens: int, *, mtp: int = 0,
+             sampling: SamplingParams | None = None, stop_tokens: Iterable[int] = (),
+             prefill_chunk: int | None = None) -> GenerationResult:
+    """Generate up to max_new_tokens for each prompt (token ids; a batch may mix lengths), with MTP
+    speculative decoding of `mtp` drafts per round (0 = plain decoding). Greedy at temperature 0."""
+    sampling = sampling or SamplingParams()
+    if not 0 <= mtp <= MAX_DRAFTS:
+        raise NpuportError(f"--mtp must be between 0 and {MAX_DRAFTS}, got {mtp}")
+    if max_new_tokens < 1:
+        raise NpuportError("max_new_tokens must be at least 1")
+    if mtp and model.mtp is None:
+        raise NpuportError("this checkpoint has no MTP head (mtp.*); speculative decoding needs one")
+    device = model.device
+    tokens, lengths = pad_prompts(prompts, device)
+    batch, rows = len(prompts), torch.arange(len(prompts), device=device)
+    capacity = tokens.shape[1] + max_new_tokens + mtp + 1
+    generator = make_generator(sampling.seed, device)
+    state = model.new_state(batch, capacity, spec_tokens=mtp)
+    out = _Outputs(len(prompts), max_new_tokens, stop_tokens)
+
+    hidden = prefill(model, state, tokens, lengths, prefill_chunk)
+    next_tok = sample(model.logits(hidden[rows, lengths - 1]), sampling, generator)
+    out.add(next_tok[:, None], torch.ones_like(lengths))
+
+    if mtp == 0:
+        while (active := out.active(device)).any():
+            hidden = model(next_tok[:, None], state)
+            commit_accepted(state, active.long())
+            next_tok = sample(model.logits(hidden[:, 0]), sampling, generator)
+            out.add(next_tok[:, None], active.long())
+        return GenerationResult(out.tokens, out.reasons)
+
+    mtp_state = model.new_mtp_state(batch, capacity)
+    shifted = tokens.roll(-1, dims=1)
+    shifted[rows, lengths - 1] = next_tok
+    mtp_logits, mtp_hidden = mtp_prefill(model, mtp_state, shifted, hidden, lengths, prefill_chunk)
+    stats = AcceptanceStats.empty(batch, mtp)
+    while (active := out.active(device)).any():
+        drafts = draft(model, mtp_state, mtp_logits, mtp_hidden, mtp)
+        start = state.positions.clone()
+        hidden = model(torch.cat([next_tok[:, None], drafts], dim=1), state)  # verify k + 1 positions
+        accepted, next_tok = accept_drafts(model.logits(hidden), drafts, sampling, generator)
+        n_new = (accepted + 1) * active
+        commit_accepted(state, n_new)
+        emitted = torch.cat([drafts, next_tok[:, None]], dim=1)  # d_1..d_a, then the target's token
+        emitted[rows, accepted] = next_tok
+        out.add(emitted, n_new)
+        stats.record(accepted, active)
+        # The head catches up over the verified positions: row i pairs emitted token i with hidden i.
+        logits, head_out = model.mtp_forward(emitted, hidden, mtp_state, start, logits_at=accepted)
+        commit_accepted(mtp_state, n_new)
+        mtp_logits, mtp_hidden = logits[:, 0], head_out[rows, accepted]
+    return GenerationResult(out.tokens, out.reasons, stats)
+
+
+@torch.no_grad()
+def forward_logits(model: Qwen35, prompts: Sequence[Sequence[int]]) -> tuple[torch.Tensor, list[torch.Tensor]]:
+    """One prefill from empty caches, for fidelity checks: logits [B, T, V] (rows past a prompt's length
+    are padding) and the hidden states transformers' output_hidden_states gives (embeddings, outputs of
+    layers 0..n-2, final normed hidden), each [B, T, hidden]."""
+    tokens, lengths = pad_prompts(prompts, model.device)
+    state = model.new_state(len(prompts), tokens.shape[1])
+    hidden_states: list[torch.Tensor] = []
+    hidden = prefill(model, state, tokens, lengths, hidden_states=hidden_states)
+    return model.logits(hidden), hidden_states

@@ -1,0 +1,343 @@
+"""The Qwen3.5 text model - gated full attention, GatedDeltaNet, dense MLP or MoE with a shared expert -
+and its MTP head, as plain nn.Modules whose parameter names follow the checkpoint (QWEN35.md).
+
+Activations are [B, T, hidden]. Per-request caches live in a ModelState (state.py) that every forward
+takes; a forward with `n_valid` is a prefill (committed by the layers themselves), one without is a
+decode / verify step that stays staged until `commit_accepted`.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from npuport.errors import NpuportError
+from npuport.kernels.causal_conv1d import causal_conv1d_fn, causal_conv1d_update
+from npuport.kernels.gated_delta_rule import chunk_gated_delta_rule, fused_recurrent_gated_delta_rule
+from npuport.kernels.gdn_gating import fused_gdn_gating
+from npuport.runtime.config import FULL_ATTENTION, ModelConfig
+from npuport.runtime.dispatch import dispatch, int8_dispatch
+from npuport.runtime.linear import Linear, QuantizedActivation, W8A8Linear
+from npuport.runtime.state import GDNState, KVCache, ModelState, new_mtp_state, new_target_state
+
+
+def _wide(x: torch.Tensor) -> torch.Tensor:
+    """x in fp32, or float64 if it is float64: where norms and softmaxes are computed."""
+    return x.to(torch.promote_types(x.dtype, torch.float32))
+
+
+@dataclass
+class Step:
+    """What every layer needs to know about the T tokens of one forward."""
+
+    start: torch.Tensor  # [B] position of each request's first token
+    cos: torch.Tensor  # [B, T, rotary_dim]
+    sin: torch.Tensor
+    n_valid: torch.Tensor | None  # [B] real tokens per request in a prefill; None for decode / verify
+
+
+def rope_tables(positions: torch.Tensor, config: ModelConfig, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+    """positions [B, T] -> cos, sin [B, T, rotary_dim] (text positions: Qwen3.5's M-RoPE is plain 1-D RoPE)."""
+    rot = config.rotary_dim
+    exponents = torch.arange(0, rot, 2, dtype=torch.float32, device=positions.device) / rot
+    inv_freq = 1.0 / (config.rope_theta**exponents)
+    freqs = positions[..., None].float() * inv_freq
+    angles = torch.cat([freqs, freqs], dim=-1)
+    return angles.cos().to(dtype), angles.sin().to(dtype)
+
+
+def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """Rotate-half RoPE on the first rotary_dim dims of x [B, T, heads, head_dim]; the rest pass through."""
+    rot = cos.shape[-1]
+    xr, rest = x[..., :rot], x[..., rot:]
+    rotated = torch.cat([-xr[..., rot // 2 :], xr[..., : rot // 2]], dim=-1)
+    c, s = cos[:, :, None], sin[:, :, None]
+    return torch.cat([xr * c + rotated * s, rest], dim=-1)
+
+
+class RMSNorm(nn.Module):
+    """y = x * rsqrt(mean(x^2) + eps) * (1 + w), in fp32 (the weight starts at zero)."""
+
+    def __init__(self, dim: int, eps: float) -> None:
+        super().__init__()
+        self.eps = eps
+        self.weight = nn.Parameter(torch.zeros(dim), requires_grad=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        xf = _wide(x)
+        y = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
+        return (y * (1.0 + _wide(self.weight))).to(x.dtype)
+
+
+class GatedRMSNorm(nn.Module):
+    """The GDN output norm: w * rmsnorm(o) * silu(z), with a plain weight w (not 1 + w)."""
+
+    def __init__(self, dim: int, eps: float) -> None:
+        super().__init__()
+        self.eps = eps
+        self.weight = nn.Parameter(torch.ones(dim), requires_grad=False)
+
+    def forward(self, x: torch.Tensor, gate: torch.Tensor) -> torch.Tensor:
+        xf = _wide(x)
+        y = self.weight * (xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)).to(x.dtype)
+        return (y * F.silu(_wide(gate))).to(x.dtype)
+
+
+def attend(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, start: torch.Tensor) -> torch.Tensor:
+    """Causal GQA softmax attention. q [B, T, Hq, D] at positions start[b] + t; keys, values [B, S, Hkv, D]
+    (position s at index s; query head h reads kv head h // (Hq / Hkv)). Query t sees keys at positions
+    <= its own. Returns [B, T, Hq, D]."""
+    t, s = q.shape[1], keys.shape[1]
+    group = q.shape[2] // keys.shape[2]
+    keys, values = (x.repeat_interleave(group, dim=2) if group > 1 else x for x in (keys, values))
+    q_pos = start[:, None] + torch.arange(t, device=q.device)
+    visible = torch.arange(s, device=q.device)[None, None, :] <= q_pos[:, :, None]  # [B, T, S]
+    out = F.scaled_dot_product_attention(q.transpose(1, 2), keys.transpose(1, 2), values.transpose(1, 2),
+                                         attn_mask=visible[:, None], scale=q.shape[-1] ** -0.5)
+    return out.transpose(1, 2)
+
+
+class Attention(nn.Module):
+    """Gated full attention: q_proj gives [q | gate] per head, q/k RMSNorm per head, partial RoPE,
+    o_proj(attention * sigmoid(gate))."""
+
+    def __init__(self, config: ModelConfig) -> None:
+        super().__init__()
+        h, d = config.hidden_size, config.head_dim
+        self.n_heads, self.n_kv_heads, self.head_dim = config.num_attention_heads, config.num_key_value_heads, d
+        self.q_proj = Linear(h, 2 * self.n_heads * d)
+        self.k_proj = Linear(h, self.n_kv_heads * d)
+        self.v_proj = Linear(h, self.n_kv_heads * d)
+        self.o_proj = Linear(self.n_heads * d, h)
+        self.q_norm = RMSNorm(d, config.rms_norm_eps)
+        self.k_norm = RMSNorm(d, config.rms_norm_eps)
+
+    def forward(self, x: torch.Tensor, cache: KVCache, step: Step) -> torch.Tensor:
+        b, t, _ = x.shape
+        q, gate = self.q_proj(x).view(b, t, self.n_heads, 2 * self.head_dim).chunk(2, dim=-1)
+        q = apply_rope(self.q_norm(q), step.cos, step.sin)
+        k = apply_rope(self.k_norm(self.k_proj(x).view(b, t, self.n_kv_heads, self.head_dim)), step.cos, step.sin)
+        v = self.v_proj(x).view(b, t, self.n_kv_heads, self.head_dim)
+        keys, values = cache.update(step.start, k, v)
+        out = attend(q, keys, values, step.start).reshape(b, t, -1)
+        return self.o_proj(out * torch.sigmoid(gate.reshape(b, t, -1)))
+
+
+class GatedDeltaNet(nn.Module):
+    """Linear attention: in_proj_qkv -> causal conv1d + SiLU -> q, k, v; gating from in_proj_a / in_proj_b;
+    the gated delta rule over an fp32 state; gated RMSNorm with in_proj_z; out_proj."""
+
+    def __init__(self, config: ModelConfig) -> None:
+        super().__init__()
+        h = config.hidden_size
+        self.n_k_heads, self.n_v_heads = config.linear_num_key_heads, config.linear_num_value_heads
+        self.k_dim, self.v_dim = config.linear_key_head_dim, config.linear_value_head_dim
+        conv_dim = config.conv_dim
+        self.in_proj_qkv = Linear(h, conv_dim)
+        self.in_proj_z = Linear(h, self.n_v_heads * self.v_dim)
+        self.in_proj_b = Linear(h, self.n_v_heads)
+        self.in_proj_a = Linear(h, self.n_v_heads)
+        # Holds the depthwise kernel as the checkpoint names it, conv1d.weight [conv_dim, 1, W].
+        self.conv1d = nn.Conv1d(conv_dim, conv_dim, config.linear_conv_kernel_dim, groups=conv_dim, bias=False)
+        self.conv1d.weight.requires_grad_(False)
+        self.A_log = nn.Parameter(torch.zeros(self.n_v_heads), requires_grad=False)
+        self.dt_bias = nn.Parameter(torch.ones(self.n_v_heads), requires_grad=False)
+        self.norm = GatedRMSNorm(self.v_dim, config.rms_norm_eps)
+        self.out_proj = Linear(self.n_v_heads * self.v_dim, h)
+
+    def forward(self, x: torch.Tensor, state: GDNState, step: Step) -> torch.Tensor:
+        b, t, _ = x.shape
+        mixed = self.in_proj_qkv(x)
+        weight = self.conv1d.weight[:, 0]  # [conv_dim, W]
+        if step.n_valid is None:
+            if t > state.slots:
+                raise ValueError(f"a verify step of {t} tokens needs {t} GDN state slots, the state has {state.slots}")
+            mixed = causal_conv1d_update(mixed, weight, state.conv)
+        else:
+            mixed = causal_conv1d_fn(mixed, weight, state.conv, step.n_valid)
+        key_width = self.n_k_heads * self.k_dim
+        q, k, v = mixed.split([key_width, key_width, self.n_v_heads * self.v_dim], dim=-1)
+        q, k = q.reshape(b, t, self.n_k_heads, self.k_dim), k.reshape(b, t, self.n_k_heads, self.k_dim)
+        v = v.reshape(b, t, self.n_v_heads, self.v_dim)
+        g, beta = fused_gdn_gating(self.A_log, self.in_proj_a(x), self.dt_bias, self.in_proj_b(x))
+        if step.n_valid is None:
+            out = fused_recurrent_gated_delta_rule(q, k, v, g, beta, state.recurrent, state.read_slot)
+            state.staged = t
+        else:
+            # Padding tokens get g = 0 and beta = 0: they leave the state as the last real token left it.
+            real = (torch.arange(t, device=x.device)[None, :] < step.n_valid[:, None])[..., None]
+            g, beta = torch.where(real, g, 0.0), torch.where(real, beta, 0.0)
+            out, final = chunk_gated_delta_rule(q, k, v, g, beta, state.current())
+            state.set_current(final)
+        z = self.in_proj_z(x).view(b, t, self.n_v_heads, self.v_dim)
+        return self.out_proj(self.norm(out, z).reshape(b, t, -1))
+
+
+class MLP(nn.Module):
+    """down(silu(gate(x)) * up(x)); x may be int8 tokens when gate/up are W8A8."""
+
+    def __init__(self, hidden: int, intermediate: int) -> None:
+        super().__init__()
+        self.gate_proj = Linear(hidden, intermediate)
+        self.up_proj = Linear(hidden, intermediate)
+        self.down_proj = Linear(intermediate, hidden)
+
+    def forward(self, x: torch.Tensor | QuantizedActivation) -> torch.Tensor:
+        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+
+
+class MoE(nn.Module):
+    """Softmax router (fp32) with renormalized top-k over per-expert MLPs, plus a sigmoid-gated shared
+    expert. Tokens go to the experts as BF16 or as int8 + per-token scales, as dispatch.py says."""
+
+    def __init__(self, config: ModelConfig, name: str) -> None:
+        super().__init__()
+        h = config.hidden_size
+        self.name, self.top_k = name, config.num_experts_per_tok
+        self.gate = Linear(h, config.num_experts)
+        self.experts = nn.ModuleList(MLP(h, config.moe_intermediate_size) for _ in range(config.num_experts))
+        self.shared_expert = MLP(h, config.shared_expert_intermediate_size)
+        self.shared_expert_gate = Linear(h, 1)
+
+    @property
+    def experts_quantized(self) -> bool:
+        """The loader gives all experts of a layer one label (CONTRACT.md)."""
+        return isinstance(self.experts[0].gate_proj, W8A8Linear)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        flat = x.reshape(-1, x.shape[-1])
+        probs = torch.softmax(_wide(self.gate(flat)), dim=-1)
+        weights, chosen = probs.topk(self.top_k, dim=-1)  # [M, top_k]
+        weights = (weights / weights.sum(-1, keepdim=True)).to(x.dtype)
+        tokens = QuantizedActivation.quantize(flat) if int8_dispatch(self.experts_quantized, self.name) else flat
+        routed = torch.zeros_like(flat)
+        for e in chosen.unique().tolist():
+            rows, slot = (chosen == e).nonzero(as_tuple=True)
+            out = self.experts[e](tokens[rows]) * weights[rows, slot, None]
+            routed.index_add_(0, rows, out.to(routed.dtype))
+        shared = torch.sigmoid(self.shared_expert_gate(flat)) * self.shared_expert(flat)
+        return (routed + shared).view(x.shape)
+
+
+class DecoderLayer(nn.Module):
+    """x += mixer(input_layernorm(x)); x += mlp(post_attention_layernorm(x))."""
+
+    def __init__(self, config: ModelConfig, kind: str, name: str) -> None:
+        super().__init__()
+        self.kind = kind
+        if kind == FULL_ATTENTION:
+            self.self_attn = Attention(config)
+        else:
+            self.linear_attn = GatedDeltaNet(config)
+        h = config.hidden_size
+        self.mlp = MoE(config, f"{name}.mlp") if config.is_moe else MLP(h, config.intermediate_size)
+        self.input_layernorm = RMSNorm(h, config.rms_norm_eps)
+        self.post_attention_layernorm = RMSNorm(h, config.rms_norm_eps)
+
+    def forward(self, x: torch.Tensor, state: KVCache | GDNState, step: Step) -> torch.Tensor:
+        mixer = self.self_attn if self.kind == FULL_ATTENTION else self.linear_attn
+        x = x + mixer(self.input_layernorm(x), state, step)
+        return x + self.mlp(self.post_attention_layernorm(x))
+
+
+class MTPHead(nn.Module):
+    """x = fc([pre_fc_norm_embedding(embed(token_{i+1})), pre_fc_norm_hidden(hidden_i)]) -> full-attention
+    decoder layer(s) -> norm. embed_tokens and lm_head are the target's."""
+
+    def __init__(self, config: ModelConfig) -> None:
+        super().__init__()
+        h, eps = config.hidden_size, config.rms_norm_eps
+        self.fc = Linear(2 * h, h)
+        self.pre_fc_norm_embedding = RMSNorm(h, eps)
+        self.pre_fc_norm_hidden = RMSNorm(h, eps)
+        self.layers = nn.ModuleList(
+            DecoderLayer(config, FULL_ATTENTION, f"mtp.layers.{i}") for i in range(config.mtp_num_hidden_layers)
+        )
+        self.norm = RMSNorm(h, eps)
+
+    def forward(self, embeds: torch.Tensor, hidden: torch.Tensor, state: ModelState, step: Step) -> torch.Tensor:
+        x = self.fc(torch.cat([self.pre_fc_norm_embedding(embeds), self.pre_fc_norm_hidden(hidden)], dim=-1))
+        for layer, cache in zip(self.layers, state.layers, strict=True):
+            x = layer(x, cache, step)
+        return self.norm(x)
+
+
+class Qwen35(nn.Module):
+    """embed -> decoder layers -> norm -> lm_head (tied to embed_tokens when there is none), plus the MTP head."""
+
+    def __init__(self, config: ModelConfig, with_mtp: bool) -> None:
+        super().__init__()
+        self.config = config
+        h = config.hidden_size
+        self.embed_tokens = nn.Embedding(config.vocab_size, h)
+        self.embed_tokens.weight.requires_grad_(False)
+        self.layers = nn.ModuleList(
+            DecoderLayer(config, kind, f"layers.{i}") for i, kind in enumerate(config.layer_types)
+        )
+        self.norm = RMSNorm(h, config.rms_norm_eps)
+        self.lm_head = None if config.tie_word_embeddings else Linear(h, config.vocab_size)
+        self.mtp = MTPHead(config) if with_mtp else None
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return self.embed_tokens.weight.dtype
+
+    @property
+    def device(self) -> torch.device:
+        return self.embed_tokens.weight.device
+
+    def new_state(self, batch: int, capacity: int, spec_tokens: int = 0) -> ModelState:
+        """Target state for `batch` requests of up to `capacity` positions, verifying spec_tokens + 1 at once."""
+        return new_target_state(self.config, batch, capacity, spec_tokens, self.dtype, self.device)
+
+    def new_mtp_state(self, batch: int, capacity: int) -> ModelState:
+        return new_mtp_state(self.config, batch, capacity, self.dtype, self.device)
+
+    def make_step(self, start: torch.Tensor, t: int, n_valid: torch.Tensor | None) -> Step:
+        """The Step of T = t tokens starting at positions start [B] (n_valid: see forward)."""
+        positions = start[:, None] + torch.arange(t, device=start.device)
+        cos, sin = rope_tables(positions, self.config, self.dtype)
+        return Step(start.clone(), cos, sin, n_valid)
+
+    def forward(self, tokens: torch.Tensor, state: ModelState, n_valid: torch.Tensor | None = None,
+                hidden_states: list[torch.Tensor] | None = None) -> torch.Tensor:
+        """tokens [B, T] at positions state.positions[b] + t -> final-normed hidden [B, T, hidden].
+        n_valid [B]: a prefill of that many real tokens per row (right padding); None: a decode / verify
+        step of T <= spec_tokens + 1 tokens. Commit afterwards with commit_accepted. `hidden_states`, if
+        given, receives what transformers' output_hidden_states gives: the embeddings, the outputs of
+        layers 0..n-2 and the final normed hidden."""
+        step = self.make_step(state.positions, tokens.shape[1], n_valid)
+        x = self.embed_tokens(tokens)
+        for layer, layer_state in zip(self.layers, state.layers, strict=True):
+            if hidden_states is not None:
+                hidden_states.append(x)
+            x = layer(x, layer_state, step)
+        x = self.norm(x)
+        if hidden_states is not None:
+            hidden_states.append(x)
+        return x
+
+    def logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """[..., hidden] -> [..., vocab]."""
+        if self.lm_head is None:
+            return F.linear(hidden, self.embed_tokens.weight)
+        return self.lm_head(hidden)
+
+    def mtp_forward(self, next_tokens: torch.Tensor, hidden: torch.Tensor, state: ModelState,
+                    start: torch.Tensor | None = None, logits_at: torch.Tensor | None = None
+                    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """The MTP head at positions start[b] + t (default: state.positions): row t pairs next_tokens [B, T]
+        (the token after position t) with hidden [B, T, hidden] (the target's final-normed hidden there,
+        or the head's own output for later draft steps). Returns logits for the token after next,
+        [B, T, vocab] - or [B, 1, vocab] at row logits_at[b] only - and the head's normed output
+        [B, T, hidden]. Always runs with BF16 dispatch."""
+        if self.mtp is None:
+            raise NpuportError("this checkpoint has no MTP head (mtp.*); speculative decoding needs one")
+        step = self.make_step(state.positions if start is None else start, next_tokens.shape[1], None)
+        with dispatch(bf16=True):
+            out = self.mtp(self.embed_tokens(next_tokens), hidden, state, step)
+        rows = out if logits_at is None else out[torch.arange(out.shape[0], device=out.device), logits_at][:, None]
+        return self.logits(rows), out

@@ -1,0 +1,98 @@
+"""What `npuport generate` does: turn text prompts (through the model folder's tokenizer) or token ids into
+requests, generate, and report token ids, text and acceptance statistics."""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Sequence
+from pathlib import Path
+
+import torch
+
+from npuport.errors import NpuportError
+from npuport.runtime.devices import pick_device
+from npuport.runtime.generate import generate
+from npuport.runtime.loader import load_model
+from npuport.runtime.sampling import SamplingParams
+
+DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32, "float64": torch.float64}
+
+
+def parse_prompt_ids(text: str) -> list[int]:
+    """'1,2,3' -> [1, 2, 3]."""
+    try:
+        ids = [int(x) for x in text.split(",") if x.strip()]
+    except ValueError:
+        raise NpuportError(f"--prompt-ids {text!r}: expected comma-separated integers such as 1,2,3") from None
+    if not ids:
+        raise NpuportError("--prompt-ids: empty prompt")
+    return ids
+
+
+def load_tokenizer(model_dir: Path):
+    """The folder's tokenizer (transformers), or None when it has none."""
+    if not any((Path(model_dir) / name).exists() for name in ("tokenizer.json", "tokenizer_config.json")):
+        return None
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(str(model_dir))
+
+
+def stop_token_ids(model_dir: Path) -> list[int]:
+    """eos_token_id of generation_config.json, else of config.json (an id or a list of ids)."""
+    for name in ("generation_config.json", "config.json"):
+        path = Path(model_dir) / name
+        if path.exists():
+            config = json.loads(path.read_text(encoding="utf-8"))
+            eos = config.get("eos_token_id", (config.get("text_config") or {}).get("eos_token_id"))
+            if eos is not None:
+                return [eos] if isinstance(eos, int) else list(eos)
+    return []
+
+
+def run_generate(model_dir: Path, texts: Sequence[str], id_prompts: Sequence[str], max_new_tokens: int, mtp: int,
+                 sampling: SamplingParams, device: str | None, dtype: str) -> dict:
+    """Generate for every --prompt and --prompt-ids; returns the report `npuport generate --json` prints."""
+    model_dir = Path(model_dir)
+    if dtype not in DTYPES:
+        raise NpuportError(f"unknown dtype {dtype!r}; choose one of {', '.join(DTYPES)}")
+    if not texts and not id_prompts:
+        raise NpuportError("give at least one --prompt TEXT or --prompt-ids 1,2,3")
+    tokenizer = load_tokenizer(model_dir)
+    if texts and tokenizer is None:
+        raise NpuportError(f"{model_dir} has no tokenizer; use --prompt-ids")
+    prompts = [tokenizer.encode(t) for t in texts] + [parse_prompt_ids(s) for s in id_prompts]
+    model = load_model(model_dir, pick_device(device), DTYPES[dtype])
+    result = generate(model, prompts, max_new_tokens, mtp=mtp, sampling=sampling,
+                      stop_tokens=stop_token_ids(model_dir))
+    requests = []
+    for i, (prompt, tokens) in enumerate(zip(prompts, result.tokens, strict=True)):
+        requests.append({
+            "prompt": texts[i] if i < len(texts) else None,
+            "prompt_ids": prompt,
+            "token_ids": tokens,
+            "text": tokenizer.decode(tokens) if tokenizer is not None else None,
+            "finish_reason": result.finish_reasons[i],
+        })
+    return {
+        "model": str(model_dir),
+        "device": str(model.device),
+        "dtype": dtype,
+        "mtp": mtp,
+        "requests": requests,
+        "acceptance": result.stats.to_dict() if result.stats is not None else None,
+    }
+
+
+def format_report(report: dict) -> str:
+    """The report for a person: each prompt's continuation, then the acceptance statistics."""
+    lines = []
+    for i, r in enumerate(report["requests"]):
+        shown = r["text"] if r["text"] is not None else ",".join(map(str, r["token_ids"]))
+        lines.append(f"[{i}] ({len(r['token_ids'])} tokens, {r['finish_reason']}) {shown}")
+    acc = report["acceptance"]
+    if acc is not None:
+        rates = ", ".join(f"{x:.2f}" for x in acc["acceptance_rate_per_position"])
+        lines.append(f"MTP k={acc['k']}: mean accepted length {acc['mean_accepted_length']:.2f}, "
+                     f"acceptance per draft position [{rates}]")
+    return "\n".join(lines)
