@@ -112,5 +112,70 @@ def demo_cmd(workdir: Path, arch: str) -> None:
     click.echo(f"demo done; everything is under {out.workdir}")
 
 
+@main.command("package")
+@click.argument("artifact", type=click.Path(path_type=Path, exists=True, file_okay=False))
+@click.option("--out", "out", type=click.Path(path_type=Path), required=True, help="The release folder (new).")
+@click.option("--report", "report", type=click.Path(path_type=Path, exists=True, dir_okay=False),
+              help="The validation report.json; report.md and its plots next to it are packaged too.")
+@click.option("--base-model", help="The base model as the card names it, e.g. a hub id (default: the source "
+              "folder's name from the manifest).")
+@click.option("--force", is_flag=True, help="Package even if the artifact fails the contract or a gate failed; "
+              "the model card then says so at the top.")
+@click.option("--archive", is_flag=True, help="Also write OUT.tar and OUT.tar.sha256 beside OUT.")
+def package_cmd(artifact: Path, out: Path, report: Path | None, base_model: str | None, force: bool,
+                archive: bool) -> None:
+    """Assemble the release folder OUT from ARTIFACT: its files, the validation report and plots, a model card
+    README.md and SHA256SUMS. OUT appears only when complete."""
+    from npuport.release import package_release
+
+    package_release(artifact, out, report, force, archive, base_model=base_model,
+                    log=lambda m: click.echo(m, err=True))
+    click.echo(f"{out}: release written")
+
+
+@main.command("verify-release")
+@click.argument("release", type=click.Path(path_type=Path, exists=True, file_okay=False))
+def verify_release_cmd(release: Path) -> None:
+    """Check a packaged RELEASE: checksums, the checkpoint contract, the model card's figures against
+    validation/report.json, no BF16 files; list every problem, exit 1 if any."""
+    from npuport.verify_release import verify_release
+
+    problems = verify_release(release)
+    for p in problems:
+        click.echo(f"FAIL {p}")
+    if problems:
+        click.echo(f"{release}: {len(problems)} problem(s)", err=True)
+        sys.exit(1)
+    click.echo(f"{release}: OK")
+
+
+@main.command("generate")
+@click.argument("model", type=click.Path(path_type=Path, exists=True, file_okay=False))
+@click.option("--prompt", "texts", multiple=True, help="A text prompt (repeat for a batch).")
+@click.option("--prompt-ids", "id_prompts", multiple=True, help="A prompt as token ids, e.g. 1,2,3 (repeatable).")
+@click.option("--max-new-tokens", type=click.IntRange(min=1), default=64, show_default=True)
+@click.option("--mtp", type=click.IntRange(0, 4), default=0, show_default=True,
+              help="MTP speculative decoding with K draft tokens per round (0 = off).")
+@click.option("--temperature", type=click.FloatRange(min=0.0), default=0.0, show_default=True, help="0 = greedy.")
+@click.option("--top-p", type=click.FloatRange(0.0, 1.0, min_open=True), default=1.0, show_default=True)
+@click.option("--seed", type=int, default=0, show_default=True)
+@click.option("--device", type=click.Choice(["npu", "cuda", "cpu"]), default=None,
+              help="Default: npu if torch_npu imports, else cuda, else cpu.")
+@click.option("--dtype", type=click.Choice(["bfloat16", "float16", "float32", "float64"]), default="bfloat16",
+              show_default=True)
+@click.option("--json", "as_json", is_flag=True, help="Print token ids, text and acceptance statistics as JSON.")
+def generate_cmd(model: Path, texts: tuple[str, ...], id_prompts: tuple[str, ...], max_new_tokens: int, mtp: int,
+                 temperature: float, top_p: float, seed: int, device: str | None, dtype: str, as_json: bool) -> None:
+    """Generate from MODEL (a BF16 source or a W8A8 artifact) with the built-in runtime."""
+    import json
+
+    from npuport.runtime.sampling import SamplingParams
+    from npuport.runtime.textgen import format_report, run_generate
+
+    report = run_generate(model, texts, id_prompts, max_new_tokens, mtp, SamplingParams(temperature, top_p, seed),
+                          device, dtype)
+    click.echo(json.dumps(report, indent=2) if as_json else format_report(report))
+
+
 if __name__ == "__main__":
     main()
