@@ -17,7 +17,7 @@ from pathlib import Path
 
 import torch
 
-from npuport.convert.qwen35_names import MULTIMODAL_TEXT_PREFIX, TEXT_ONLY_PREFIX
+from npuport.convert.qwen35_names import MULTIMODAL_TEXT_PREFIX, TEXT_ONLY_PREFIX, VISUAL_PREFIX
 from npuport.convert.safetensors_io import DTYPE_NAMES, OutSpec, ShardWriter
 from npuport.tiny_tokenizer import ENDOFTEXT, IM_END, special_token_id, write_tokenizer
 
@@ -54,6 +54,9 @@ PRESETS: dict[str, Sizes] = {
     "tiny": Sizes(64, 4, 4, 2, 32, 2, 4, 16, 16, 192, 8, 2, 32, 32, TOKENIZER_VOCAB, 1, 32, 3),
     "small": Sizes(512, 8, 8, 2, 128, 4, 8, 64, 64, 1728, 16, 4, 128, 128, TOKENIZER_VOCAB, 1, 64, 3),
     "mid": Sizes(2048, 12, 16, 4, 256, 16, 32, 128, 128, 6912, 32, 8, 512, 512, 248320, 2, 256, 4),
+    # `npuport train-tiny` (train_tiny.py): wide enough to learn GSM8K text, a few MB / ~100M parameters.
+    "trained-tiny": Sizes(128, 4, 4, 2, 32, 2, 4, 32, 32, 384, 8, 2, 64, 64, TOKENIZER_VOCAB, 1, 32, 3),
+    "trained-small": Sizes(768, 8, 6, 2, 128, 4, 8, 128, 128, 3072, 16, 4, 192, 768, TOKENIZER_VOCAB, 1, 64, 3),
 }
 
 
@@ -282,8 +285,8 @@ def _init(name: str, shape: tuple, seed: int) -> torch.Tensor:
         x = 1 + 0.1 * torch.randn(shape, generator=g)  # plain `w` norms
     elif len(shape) == 1:
         x = 0.1 * torch.randn(shape, generator=g)  # `(1 + w)` RMSNorms and biases
-    elif "embed" in leaf[-2] or name == "lm_head.weight":
-        x = torch.randn(shape, generator=g)
+    elif "embed" in leaf[-2] or name == "lm_head.weight":  # logits of order 1, also with tied embeddings
+        x = torch.randn(shape, generator=g) / math.sqrt(shape[1])
     else:
         fan_in = math.prod(shape[1:]) if len(shape) != 3 or "experts" not in name else shape[-1]
         x = torch.randn(shape, generator=g) / math.sqrt(fan_in)
@@ -303,9 +306,14 @@ def _split_shards(shapes: list[tuple[str, tuple]], n: int) -> list[list[tuple[st
     return [s for s in shards if s]
 
 
-def make_tiny(out: Path, spec: TinySpec, progress: Callable[[str], None] | None = None) -> Path:
+TensorValues = Callable[[str, tuple], torch.Tensor]
+
+
+def make_tiny(out: Path, spec: TinySpec, progress: Callable[[str], None] | None = None,
+              weights: TensorValues | None = None) -> Path:
     """Write the checkpoint described by `spec` into the new folder `out` (written to a temporary
-    folder beside it, renamed when complete)."""
+    folder beside it, renamed when complete). `weights(name, shape)` gives the BF16 value of each tensor of
+    the text model and MTP head (default: deterministic random values); the vision tower is always random."""
     out = Path(out)
     if out.exists():
         raise FileExistsError(f"{out} already exists")
@@ -313,7 +321,7 @@ def make_tiny(out: Path, spec: TinySpec, progress: Callable[[str], None] | None 
     shutil.rmtree(tmp, ignore_errors=True)
     tmp.mkdir(parents=True)
     try:
-        _write(tmp, spec, progress)
+        _write(tmp, spec, progress, weights)
         tmp.rename(out)
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
@@ -321,16 +329,24 @@ def make_tiny(out: Path, spec: TinySpec, progress: Callable[[str], None] | None 
     return out
 
 
-def _write(out: Path, spec: TinySpec, progress: Callable[[str], None] | None) -> None:
-    sizes = PRESETS[spec.size]
+def write_metadata(out: Path, spec: TinySpec) -> dict:
+    """Write the tokenizer, config.json and generation_config.json of `spec` into the folder `out`;
+    returns the config."""
     n_tokens = write_tokenizer(out, TOKENIZER_VOCAB)
-    vocab = max(sizes.vocab_size, n_tokens)
+    vocab = max(PRESETS[spec.size].vocab_size, n_tokens)
     eos, pad = special_token_id(out, IM_END), special_token_id(out, ENDOFTEXT)
     config = full_config(spec, vocab, eos, pad)
     (out / "config.json").write_text(json.dumps(config, indent=2) + "\n", encoding="utf-8")
     gen = {"bos_token_id": None, "eos_token_id": [eos, pad], "pad_token_id": pad, "do_sample": False,
            "transformers_version": "5.23.0"}
     (out / "generation_config.json").write_text(json.dumps(gen, indent=2) + "\n", encoding="utf-8")
+    return config
+
+
+def _write(out: Path, spec: TinySpec, progress: Callable[[str], None] | None, weights: TensorValues | None) -> None:
+    sizes = PRESETS[spec.size]
+    config = write_metadata(out, spec)
+    vocab = (config.get("text_config") or config)["vocab_size"]
     shapes = tensor_shapes(spec, vocab)
     shards = _split_shards(shapes, sizes.shards)
     weight_map, total = {}, 0
@@ -339,7 +355,8 @@ def _write(out: Path, spec: TinySpec, progress: Callable[[str], None] | None) ->
         specs = [OutSpec(n, DTYPE_NAMES[torch.bfloat16], tuple(s)) for n, s in shard]
         w = ShardWriter(out / fname, specs, {"format": "pt"})
         for name, shape in shard:
-            w.write(name, _init(name, shape, spec.seed))
+            own = weights is not None and not name.startswith(VISUAL_PREFIX)
+            w.write(name, weights(name, shape) if own else _init(name, shape, spec.seed))
             weight_map[name] = fname
             total += 2 * math.prod(shape)
         w.close()
