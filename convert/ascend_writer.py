@@ -33,15 +33,16 @@ def planned_size(plan: Plan) -> int:
     return sum(shard_file_size([s for u in shard for s in u.specs], SHARD_METADATA) for shard in plan.shards)
 
 
-def write_shards(plan: Plan, out: Path, workers: int, on_bytes: Callable[[int], None]) -> None:
-    """Write every shard of `plan` into `out`; `workers` shards at a time, the same bytes for any count."""
+def write_shards(plan: Plan, out: Path, workers: int, on_unit: Callable[[Unit], None]) -> None:
+    """Write every shard of `plan` into `out`; `workers` shards at a time, the same bytes for any count.
+    `on_unit` is called (under a lock) after each unit is written, for progress."""
     names = shard_names(len(plan.shards))
     reader = MappedShards()
     lock = threading.Lock()
 
-    def advance(n: int) -> None:
+    def advance(unit: Unit) -> None:
         with lock:
-            on_bytes(n)
+            on_unit(unit)
 
     def write_one(k: int) -> None:
         units: list[Unit] = plan.shards[k]
@@ -50,7 +51,7 @@ def write_shards(plan: Plan, out: Path, workers: int, on_bytes: Callable[[int], 
             for u in units:
                 for name, piece in u.produce(reader):
                     writer.write(name, piece)
-                advance(u.source_bytes)
+                advance(u)
         except BaseException:
             writer.abort()
             raise

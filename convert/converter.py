@@ -26,7 +26,7 @@ from npuport.convert.ascend_writer import (
     write_shards,
 )
 from npuport.convert.check import check_artifact
-from npuport.convert.plan import Plan, build_plan
+from npuport.convert.plan import Plan, Unit, build_plan
 from npuport.convert.recipe import Recipe, default_recipe_path, load_recipe
 from npuport.convert.source import INDEX_NAME, SourceCheckpoint, open_source
 from npuport.errors import ArtifactError, NpuportError
@@ -135,8 +135,16 @@ def convert_qwen35(
     tmp.mkdir()
     try:
         total = sum(u.source_bytes for u in plan.units)
+        n_tensors = sum(len(u.specs) for u in plan.units)
+        done = [0]
         with tqdm(total=total, unit="B", unit_scale=True, desc="convert", disable=not show_progress) as bar:
-            write_shards(plan, tmp, workers, bar.update)
+
+            def progress(unit: Unit) -> None:
+                done[0] += len(unit.specs)
+                bar.set_postfix_str(f"{done[0]}/{n_tensors} tensors", refresh=False)
+                bar.update(unit.source_bytes)
+
+            write_shards(plan, tmp, workers, progress)
         write_description(plan, tmp)
         write_json(tmp / "config.json", strip_quantization_config(source.config))
         for p in copies:
