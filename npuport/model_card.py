@@ -1,0 +1,230 @@
+"""The release's README.md: a model card with YAML front matter, what was quantized and what was kept BF16
+and why, the measured results copied from the validation report, serving commands, and how it was made."""
+
+from __future__ import annotations
+
+import re
+from collections import Counter
+from dataclasses import dataclass, field
+from typing import Any
+
+import yaml
+
+from npuport import __version__
+from npuport.convert.qwen35_names import split_param
+from npuport.convert.recipe import W8A8_DYNAMIC
+from npuport.results_table import HEADING as RESULTS_HEADING
+from npuport.results_table import model_labels, render_results_table
+from npuport.runtime.gsm8k import PROTOCOLS
+
+FORCED_MARK = "WARNING: packaged with --force"
+TAGS = ("npuport", "w8a8", "int8", "msmodelslim", "ascend", "vllm-ascend", "sglang", "mtp")
+NUM_SPECULATIVE_TOKENS = 3
+
+# CONTRACT.md, "Serving an artifact": the MTP head drafts 3 tokens; sglang runs it unquantized.
+VLLM_ASCEND_COMMAND = ("vllm serve {model} --quantization ascend "
+                       "--speculative-config '{{\"method\":\"qwen3_5_mtp\",\"num_speculative_tokens\":{k}}}'")
+SGLANG_COMMAND = ("python -m sglang.launch_server --model-path {model} --device npu --attention-backend ascend "
+                  "--quantization modelslim --speculative-algorithm NEXTN --speculative-num-steps {k} "
+                  "--speculative-eagle-topk 1 --speculative-num-draft-tokens {k_plus_1} "
+                  "--speculative-draft-model-quantization unquant")
+
+
+@dataclass
+class CardFacts:
+    """Everything the card states, gathered by the packager; nothing in the card comes from elsewhere."""
+
+    release_name: str
+    artifact_name: str
+    base_model: str
+    license_id: str
+    license_file: str | None
+    manifest: dict[str, Any]
+    description: dict[str, Any]
+    recipe_file: str
+    package_command: str
+    packaged_on: str
+    files: dict[str, int]  # relative path -> bytes
+    report: dict[str, Any] | None = None
+    report_date: str | None = None
+    report_files: list[str] = field(default_factory=list)  # relative paths of report.md and the plots
+    forced_problems: list[str] = field(default_factory=list)
+
+
+def license_id(text: str | None) -> str:
+    """The Hugging Face license identifier of a LICENSE text: apache-2.0, mit, other; unknown without one."""
+    if text is None:
+        return "unknown"
+    if "Apache License" in text and "Version 2.0" in text:
+        return "apache-2.0"
+    if "MIT License" in text or "Permission is hereby granted, free of charge" in text:
+        return "mit"
+    return "other"
+
+
+def name_pattern(module: str) -> str:
+    """`a.layers.3.mlp.experts.7.up_proj` -> `a.layers.*.mlp.experts.*.up_proj`: one line per kind of layer."""
+    return re.sub(r"(?<=\.)\d+(?=\.|$)", "*", module)
+
+
+def _pattern_list(modules: list[str]) -> str:
+    counts = Counter(name_pattern(m) for m in modules)
+    return ", ".join(f"`{p}` ({n})" if n > 1 else f"`{p}`" for p, n in counts.items())
+
+
+def _front_matter(facts: CardFacts) -> list[str]:
+    model_type = (facts.manifest.get("source") or {}).get("model_type")
+    meta: dict[str, Any] = {"license": facts.license_id}
+    if facts.license_id == "other" and facts.license_file:
+        meta.update({"license_name": "base-model-license", "license_link": facts.license_file})
+    meta.update({"base_model": facts.base_model, "base_model_relation": "quantized",
+                 "tags": [*TAGS, *([model_type] if model_type else [])]})
+    return ["---", yaml.safe_dump(meta, sort_keys=False, allow_unicode=True).rstrip(), "---", ""]
+
+
+def _forced_warning(problems: list[str]) -> list[str]:
+    if not problems:
+        return []
+    return [f"> **{FORCED_MARK}.** This release failed the checks below; do not publish or quote it as is.", ">"] \
+        + [f"> - {markdown_text(p)}" for p in problems] + [""]
+
+
+def _intro(facts: CardFacts) -> list[str]:
+    scheme = facts.manifest.get("scheme", W8A8_DYNAMIC)
+    return [f"# {facts.release_name}", "",
+            f"{scheme} quantization of `{facts.base_model}` for Ascend NPUs, in msModelSlim's ascendV1 format: "
+            "int8 weights with one scale per output channel, int8 activations with one scale per token computed "
+            "at run time. The multi-token-prediction head (`mtp.*`) stays BF16, so speculative decoding with it "
+            "works unchanged. vllm-ascend (`--quantization ascend`) and sglang (`--quantization modelslim`) load "
+            "the folder as is.", ""]
+
+
+def _results(facts: CardFacts) -> list[str]:
+    lines = [RESULTS_HEADING, ""]
+    report = facts.report
+    if report is None:
+        return lines + ["No validation report was packaged with this release: nothing here is measured.", ""]
+    lines += render_results_table(report)
+    cand, ref = model_labels(report)
+    version = (report.get("versions") or {}).get("npuport")
+    lines += [f"Measured by npuport {version} on {report.get('device')}, seed {report.get('seed')}; report written "
+              f"{facts.report_date}. Accuracy is the share of questions answered correctly, in percent; "
+              f"difference = {cand} - {ref} in points, on the same questions. The protocol column names the GSM8K "
+              "harness whose prompt, stop strings and answer extraction were followed "
+              f"({', '.join(PROTOCOLS)}) and its shots; intervals, paired tests and per-layer figures are in "
+              "[validation/report.md](validation/report.md), every raw figure in `validation/report.json`.", ""]
+    gates = report.get("gates") or []
+    if gates:
+        lines += ["Gates:", ""] + [f"- {'pass' if g['passed'] else 'FAIL'}: {markdown_text(g['name'])}"
+                                   + (f" ({markdown_text(g['detail'])})" if g.get("detail") else "")
+                                   for g in gates] + [""]
+    lines += [f"![{p.rsplit('/', 1)[-1][:-4]}]({p})" for p in facts.report_files if p.endswith(".png")]
+    return lines + [""]
+
+
+def _quantization(facts: CardFacts) -> list[str]:
+    desc = facts.description
+    quantized = [split_param(name)[0] for name, label in desc.items()
+                 if label == W8A8_DYNAMIC and split_param(name)[1] == "weight"]
+    ignore = facts.manifest.get("ignore_list") or []
+    by_reason: dict[str, list[str]] = {}
+    for entry in ignore:
+        by_reason.setdefault(entry["reason"], []).append(entry["module"])
+    linear = set(quantized) | {e["module"] for e in ignore}
+    others = [name for name, label in desc.items()
+              if isinstance(label, str) and label != W8A8_DYNAMIC and split_param(name)[0] not in linear]
+    lines = ["## What is quantized", "",
+             f"{len(quantized)} linear layers are {W8A8_DYNAMIC} (int8 weight, float32 per-channel scale, zero "
+             "offset):", ""]
+    kinds = Counter(map(name_pattern, quantized))
+    lines += [f"- `{p}`" + (f" ({n} layers)" if n > 1 else "") for p, n in kinds.items()]
+    lines += ["", "## Kept in BF16, and why", "",
+              f"{len(ignore)} linear layers are on the ignore-list (`npuport_manifest.json`), grouped by reason:", ""]
+    rows = [[markdown_text(reason), str(len(mods)), _pattern_list(mods)] for reason, mods in by_reason.items()]
+    lines += _table(["reason", "layers", "which"], rows)
+    lines += [f"{len(others)} other tensors (embeddings, lm_head, norms, GDN conv1d / A_log / dt_bias, biases) are "
+              "not linear layers and keep the source dtype; each is labelled FLOAT in "
+              "`quant_model_description.json`.", ""]
+    return lines
+
+
+def markdown_text(text: str) -> str:
+    """`text` escaped so Markdown shows it literally (a glob like '*visual*' is not emphasis; '|' ends no cell)."""
+    return re.sub(r"([\\`*_|<\[\]])", r"\\\1", text)
+
+
+def _table(header: list[str], rows: list[list[str]]) -> list[str]:
+    """A Markdown table; cells are Markdown already (escape plain text with markdown_text)."""
+    return ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)] \
+        + ["| " + " | ".join(row) + " |" for row in rows] + [""]
+
+
+def serving_commands(model: str, k: int = NUM_SPECULATIVE_TOKENS) -> dict[str, str]:
+    """The commands that serve `model` with MTP speculative decoding (k draft tokens), by engine."""
+    return {"vllm-ascend": VLLM_ASCEND_COMMAND.format(model=model, k=k),
+            "sglang": SGLANG_COMMAND.format(model=model, k=k, k_plus_1=k + 1)}
+
+
+def _serving(facts: CardFacts) -> list[str]:
+    lines = ["## Serving", "",
+             f"With MTP speculative decoding ({NUM_SPECULATIVE_TOKENS} draft tokens); add the engine's parallelism "
+             "flags (e.g. `--tensor-parallel-size`, `--tp-size`) for the number of NPUs.", ""]
+    for engine, command in serving_commands(f"./{facts.release_name}").items():
+        lines += [f"{engine}:", "", "```bash", command, "```", ""]
+    return lines
+
+
+def _provenance(facts: CardFacts) -> list[str]:
+    m = facts.manifest
+    source = m.get("source") or {}
+    recipe = m.get("recipe") or {}
+    convert = (f"npuport {m.get('command', 'convert-qwen35 --a8w8')} --recipe {facts.recipe_file} "
+               f"{source.get('name', 'SOURCE')} {facts.artifact_name}")
+    lines = ["## How it was made", "",
+             f"- source: `{source.get('name')}` ({source.get('model_type')}); the checksums identifying it are in "
+             "`npuport_manifest.json` (`source.checksums`)",
+             f"- recipe: `{recipe.get('name')}` ({recipe.get('file')}), saved here as `{facts.recipe_file}`"]
+    lines += [f"- recipe note: {note}" for note in recipe.get("notes") or []]
+    lines += [f"- converted with npuport {m.get('version')}, packaged with npuport {__version__} on "
+              f"{facts.packaged_on}", "", "```bash", convert, facts.package_command, "```", ""]
+    return lines
+
+
+def _files(facts: CardFacts) -> list[str]:
+    rows = [[f"`{path}`", f"{size:,}"] for path, size in sorted(facts.files.items())]
+    return ["## Files", ""] + _table(["file", "bytes"], rows) + [
+        "`SHA256SUMS` lists the SHA-256 of every file; check them with `sha256sum -c SHA256SUMS`, or run "
+        "`npuport verify-release .` for the checksums, the checkpoint contract and this card's figures.", ""]
+
+
+def _license(facts: CardFacts) -> list[str]:
+    if facts.license_file:
+        text = f"The weights derive from `{facts.base_model}`; its license applies: see [{facts.license_file}]" \
+               f"({facts.license_file})."
+    else:
+        text = f"The weights derive from `{facts.base_model}`, whose license applies; no LICENSE file was in the " \
+               "artifact."
+    return ["## License", "", text, ""]
+
+
+def render_model_card(facts: CardFacts) -> str:
+    """README.md for the release described by `facts`."""
+    lines = _front_matter(facts) + _forced_warning(facts.forced_problems) + _intro(facts) + _results(facts)
+    lines += _quantization(facts) + _serving(facts) + _provenance(facts) + _files(facts) + _license(facts)
+    return "\n".join(lines).rstrip("\n") + "\n"
+
+
+def read_front_matter(card: str) -> dict[str, Any]:
+    """The YAML front matter at the top of a card, parsed; ValueError when there is none or it is not a mapping."""
+    if not card.startswith("---\n"):
+        raise ValueError("does not start with YAML front matter ('---')")
+    end = card.find("\n---\n", 4)
+    if end < 0:
+        raise ValueError("YAML front matter is not closed by '---'")
+    try:
+        meta = yaml.safe_load(card[4:end])
+    except yaml.YAMLError as e:
+        raise ValueError(f"YAML front matter does not parse ({e})") from None
+    if not isinstance(meta, dict):
+        raise ValueError("YAML front matter is not a mapping")
+    return meta

@@ -1,0 +1,192 @@
+"""The model card's table of measured results, in both directions: rows built from a report.json, rendered
+as Markdown, and parsed back out of a card so that every figure in it can be checked against the report."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, replace
+from typing import Any
+
+from npuport.runtime.report import _THROUGHPUT_COLUMNS
+
+HEADING = "## Measured results"
+MISSING = "–"
+FIXED_COLUMNS = ("measure", "protocol", "questions")
+DIFFERENCE_COLUMN = "difference"
+
+
+@dataclass(frozen=True)
+class ResultRow:
+    """One measured figure for the candidate, with the reference's and the difference where measured.
+    `fmt` is the format spec of all three figures (the difference gets a sign)."""
+
+    measure: str
+    protocol: str
+    questions: int | None
+    candidate: float | None
+    reference: float | None = None
+    difference: float | None = None
+    fmt: str = ".2f"
+
+    @property
+    def key(self) -> tuple[str, str]:
+        return self.measure, self.protocol
+
+    def figures(self) -> list[tuple[float | None, str]]:
+        """(value, format spec) of the candidate, reference and difference cells."""
+        return [(self.candidate, self.fmt), (self.reference, self.fmt), (self.difference, "+" + self.fmt)]
+
+
+def _fmt(value: float | int | None, spec: str = "d") -> str:
+    return MISSING if value is None else format(value, spec)
+
+
+def model_labels(report: dict[str, Any]) -> tuple[str, str]:
+    """The names of the candidate and the reference model in a report ("W8A8", "BF16" unless it says)."""
+    labels = report.get("labels") or {}
+    return labels.get("candidate", "W8A8"), labels.get("reference", "BF16")
+
+
+def header(report: dict[str, Any]) -> list[str]:
+    return [*FIXED_COLUMNS, *model_labels(report), DIFFERENCE_COLUMN]
+
+
+def _gsm8k_rows(entry: dict[str, Any]) -> list[ResultRow]:
+    cand, ref = entry["candidate"], entry.get("reference")
+    protocol = f"{entry['protocol']}, {cand['shots']}-shot" + (f", seed {cand['seed']}" if cand.get("seed") is not None
+                                                               else "")
+    n = cand["num_questions"]
+    rows = []
+    for i, score in enumerate(cand["scores"]):
+        c = score["accuracy"] * 100
+        r = ref["scores"][i]["accuracy"] * 100 if ref else None
+        rows.append(ResultRow(f"GSM8K accuracy % ({score['name']})", protocol, n, c, r,
+                              None if r is None else c - r))
+    rows.append(ResultRow("GSM8K invalid %", protocol, n, cand["invalid_rate"] * 100,
+                          ref["invalid_rate"] * 100 if ref else None))
+    cand_tps, ref_tps = cand.get("output_throughput"), (ref or {}).get("output_throughput")
+    if cand_tps is not None or ref_tps is not None:
+        rows.append(ResultRow("GSM8K output tok/s", protocol, n, cand_tps, ref_tps, fmt=".1f"))
+    return rows
+
+
+def _fidelity_rows(fidelity: dict[str, Any], reference: str) -> list[ResultRow]:
+    protocol = f"vs {reference}" + (f", {fidelity['num_prompts']} prompts" if fidelity.get("num_prompts") else "")
+    rows = [ResultRow("greedy token agreement %", protocol, None, fidelity["greedy_token_agreement"] * 100),
+            ResultRow("top-1 agreement of next-token logits %", protocol, None, fidelity["top1_agreement"] * 100),
+            ResultRow("mean KL divergence", protocol, None, fidelity["mean_kl"], fmt=".4g")]
+    if fidelity.get("layer_cosine"):
+        rows.append(ResultRow("lowest per-layer output cosine", protocol, None, min(fidelity["layer_cosine"]),
+                              fmt=".5f"))
+    return rows
+
+
+def _throughput_rows(run: dict[str, Any]) -> list[ResultRow]:
+    protocol = f"{run['label']}, MTP {'on' if run['mtp'] else 'off'}, batch {run['batch_size']}"
+    return [ResultRow(name, protocol, None, run[attr], fmt=f".{digits}f")
+            for name, attr, digits in _THROUGHPUT_COLUMNS if run.get(attr) is not None]
+
+
+def _mtp_rows(mtp: dict[str, Any]) -> list[ResultRow]:
+    protocol = f"k={mtp['num_speculative_tokens']}" + (f", {mtp['num_rounds']} rounds" if mtp.get("num_rounds")
+                                                        else "")
+    rows = [ResultRow("MTP mean acceptance length", protocol, None, mtp["mean_acceptance_length"])]
+    rows += [ResultRow(f"MTP acceptance rate, draft position {i}", protocol, None, rate, fmt=".3f")
+             for i, rate in enumerate(mtp["per_position"], start=1)]
+    return rows
+
+
+def result_rows(report: dict[str, Any]) -> list[ResultRow]:
+    """Every headline figure of a report.json, one row each, with a unique (measure, protocol) key."""
+    rows: list[ResultRow] = []
+    for entry in report.get("gsm8k") or []:
+        rows += _gsm8k_rows(entry)
+    if report.get("fidelity"):
+        rows += _fidelity_rows(report["fidelity"], model_labels(report)[1])
+    for run in report.get("throughput") or []:
+        rows += _throughput_rows(run)
+    if report.get("mtp"):
+        rows += _mtp_rows(report["mtp"])
+    seen: dict[tuple[str, str], int] = {}
+    unique = []
+    for row in rows:  # the same protocol run twice: number the repeats so each row keeps its own key
+        seen[row.key] = seen.get(row.key, 0) + 1
+        if seen[row.key] > 1:
+            row = replace(row, protocol=f"{row.protocol} #{seen[row.key]}")
+        unique.append(row)
+    return unique
+
+
+def render_results_table(report: dict[str, Any]) -> list[str]:
+    """The Markdown table of `result_rows(report)` (lines, ending with a blank one)."""
+    lines = ["| " + " | ".join(header(report)) + " |", "|" + "---|" * len(header(report))]
+    for row in result_rows(report):
+        cells = [row.measure, row.protocol, _fmt(row.questions)] + [_fmt(v, spec) for v, spec in row.figures()]
+        lines.append("| " + " | ".join(cells) + " |")
+    return lines + [""]
+
+
+def parse_results_table(markdown: str) -> list[list[str]] | None:
+    """The cells of the first table under HEADING (header row first, separator dropped); None if there is none."""
+    lines = markdown.splitlines()
+    try:
+        start = next(i for i, line in enumerate(lines) if line.strip() == HEADING)
+    except StopIteration:
+        return None
+    table: list[list[str]] = []
+    for line in lines[start + 1:]:
+        if line.startswith("#"):
+            break
+        if line.startswith("|"):
+            table.append([cell.strip() for cell in line.strip().strip("|").split("|")])
+        elif table:
+            break
+    if not table:
+        return None
+    return [table[0]] + [row for row in table[1:] if not all(set(c) <= set("-: ") for c in row)]
+
+
+def _number_problem(where: str, cell: str, value: float | int | None, spec: str) -> str | None:
+    expected = _fmt(value, spec)
+    if value is None:
+        return None if cell == MISSING else f"{where}: the card says {cell}, report.json has no figure"
+    try:
+        same = float(cell) == float(expected)
+    except ValueError:
+        same = False
+    return None if same else f"{where}: the card says {cell}, report.json says {expected}"
+
+
+def compare_results(markdown: str, report: dict[str, Any], card_name: str = "README.md") -> list[str]:
+    """Each difference between the card's results table and the figures of `report` (empty when they agree)."""
+    table = parse_results_table(markdown)
+    expected = result_rows(report)
+    if table is None:
+        return [f"{card_name}: no results table under '{HEADING}', report.json has {len(expected)} figure row(s)"] \
+            if expected else []
+    head, body = table[0], table[1:]
+    if head != header(report):
+        return [f"{card_name}: results table columns {head} differ from {header(report)}"]
+    problems = []
+    found: dict[tuple[str, str], list[str]] = {}
+    for cells in body:
+        if len(cells) != len(head):
+            problems.append(f"{card_name}: results row {cells[:2]} has {len(cells)} cells, not {len(head)}")
+        elif (cells[0], cells[1]) in found:
+            problems.append(f"{card_name}: results row {cells[0]!r} ({cells[1]}) appears twice")
+        else:
+            found[(cells[0], cells[1])] = cells
+    for row in expected:
+        cells = found.pop(row.key, None)
+        if cells is None:
+            problems.append(f"{card_name}: results table lacks {row.measure!r} ({row.protocol}) from report.json")
+            continue
+        checks = [("questions", cells[2], row.questions, "d")]
+        checks += [(col, cell, v, spec)
+                   for col, cell, (v, spec) in zip(head[3:], cells[3:], row.figures(), strict=True)]
+        for column, cell, value, spec in checks:
+            problem = _number_problem(f"{card_name}: {row.measure!r} ({row.protocol}), {column}", cell, value, spec)
+            if problem:
+                problems.append(problem)
+    for measure, protocol in found:
+        problems.append(f"{card_name}: results row {measure!r} ({protocol}) is not in report.json")
+    return problems
