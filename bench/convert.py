@@ -13,15 +13,11 @@ from __future__ import annotations
 
 import argparse
 import json
-import resource
 import shutil
 import statistics
 import subprocess
 import sys
-import time
 from pathlib import Path
-
-
 
 
 def measure_rss(cmd: list[str]) -> tuple[float, float]:

@@ -11,7 +11,10 @@ from npuport.convert.recipe import FLOAT, W8A8_DYNAMIC, Recipe
 
 # Linear layers the engines cannot load quantized, or that are too small to matter (CONTRACT.md).
 ENGINE_FLOAT_RULES: tuple[tuple[re.Pattern, str], ...] = (
-    (re.compile(r"(^|\.)linear_attn\."), "engine constraint: sglang cannot load a quantized Qwen3.5 linear_attn projection"),
+    (
+        re.compile(r"(^|\.)linear_attn\."),
+        "engine constraint: sglang cannot load a quantized Qwen3.5 linear_attn projection",
+    ),
     (re.compile(r"\.mlp\.gate$"), "router: a tiny layer that engines keep in BF16"),
     (re.compile(r"\.mlp\.shared_expert_gate$"), "shared-expert gate: a tiny layer that engines keep in BF16"),
 )
@@ -52,6 +55,8 @@ def label_linears(modules: list[str], recipe: Recipe) -> dict[str, LinearLabel]:
             for m in members:
                 if labels[m].label != FLOAT:
                     labels[m] = LinearLabel(
-                        m, FLOAT, f"fused by the engines with {floats[0]}, which is kept FLOAT (one label per fused layer)"
+                        m,
+                        FLOAT,
+                        f"fused by the engines with {floats[0]}, which is kept FLOAT (one label per fused layer)",
                     )
     return labels

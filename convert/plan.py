@@ -147,14 +147,18 @@ def _linear_regions(src: SourceCheckpoint) -> dict[str, Region]:
         fused = FUSED_EXPERTS.match(name)
         if fused:
             if len(e.shape) != 3:
-                raise CheckpointError(f"{e.file}: fused experts tensor {name!r} has shape {list(e.shape)}, expected 3-D")
+                raise CheckpointError(
+                    f"{e.file}: fused experts tensor {name!r} has shape {list(e.shape)}, expected 3-D"
+                )
             n_exp, rows, cols = e.shape
             for x in range(n_exp):
                 base = x * rows * cols
                 if fused["kind"] == "gate_up_proj":  # [E, 2I, H]: gate rows first, then up
                     half = rows // 2
                     regions[per_expert_module(fused["experts"], x, "gate_proj")] = Region(e, base, half, cols)
-                    regions[per_expert_module(fused["experts"], x, "up_proj")] = Region(e, base + half * cols, half, cols)
+                    regions[per_expert_module(fused["experts"], x, "up_proj")] = Region(
+                        e, base + half * cols, half, cols
+                    )
                 else:  # down_proj [E, H, I]
                     regions[per_expert_module(fused["experts"], x, "down_proj")] = Region(e, base, rows, cols)
         elif is_linear_weight(name, e.shape):
@@ -171,7 +175,9 @@ def build_plan(src: SourceCheckpoint, recipe: Recipe, part_file_bytes: int) -> P
         region = regions[m]
         if labels[m].label == W8A8_DYNAMIC:
             if region.entry.dtype not in ("BF16", "F16", "F32"):
-                raise CheckpointError(f"{region.entry.file}: tensor {region.entry.name!r}: cannot quantize {region.entry.dtype}")
+                raise CheckpointError(
+                    f"{region.entry.file}: tensor {region.entry.name!r}: cannot quantize {region.entry.dtype}"
+                )
             units.append(_quantized_unit(m, region))
         else:
             units.append(_float_unit(f"{m}.weight", region, (region.rows, region.cols)))
@@ -201,4 +207,3 @@ def _pack(units: list[Unit], limit: int) -> list[list[Unit]]:
         shards[-1].append(u)
         size += u.nbytes
     return shards
-

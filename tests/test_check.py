@@ -24,8 +24,9 @@ P = "model.language_model.layers.3.self_attn."
 @pytest.fixture(scope="module")
 def artifact(tiny_checkpoints, tmp_path_factory) -> Path:
     out = tmp_path_factory.mktemp("check") / "art"
-    return convert_qwen35(tiny_checkpoints["moe-multimodal-fused"], out, part_file_size_gb=0.0004,
-                          show_progress=False, log=lambda m: None).out
+    return convert_qwen35(
+        tiny_checkpoints["moe-multimodal-fused"], out, part_file_size_gb=0.0004, show_progress=False, log=lambda m: None
+    ).out
 
 
 @pytest.fixture
@@ -63,18 +64,36 @@ def test_converted_artifact_passes(artifact):
         (lambda a: edit_json(a / DESC, lambda d: d.update({"ghost.weight": "FLOAT"})), "ghost.weight"),
         (lambda a: (a / "model.safetensors.index.json").write_text("{}"), "model.safetensors.index.json"),
         (lambda a: edit_json(a / "config.json", lambda c: c.update(quantization_config={})), "quantization_config"),
-        (lambda a: edit_json(a / "config.json", lambda c: c["text_config"].update(quantization_config={})),
-         "text_config has quantization_config"),
+        (
+            lambda a: edit_json(a / "config.json", lambda c: c["text_config"].update(quantization_config={})),
+            "text_config has quantization_config",
+        ),
         (lambda a: edit_json(a / DESC, lambda d: d.update({"mtp.fc.weight": "W8A8_DYNAMIC"})), "mtp.fc.weight"),
         (lambda a: rewrite_tensor(a, "mtp.norm.weight", lambda t: t.float()), "mtp.norm.weight"),
-        (lambda a: edit_json(a / DESC, lambda d: d.update({P + "k_proj.weight": "FLOAT"})), "int8 weight labelled FLOAT"),
+        (
+            lambda a: edit_json(a / DESC, lambda d: d.update({P + "k_proj.weight": "FLOAT"})),
+            "int8 weight labelled FLOAT",
+        ),
         (lambda a: rewrite_tensor(a, P + "k_proj.weight_scale", lambda t: t.to(torch.bfloat16)), "must be float32"),
         (lambda a: edit_json(a / DESC, lambda d: d.update({"version": "0.9"})), "version"),
         (lambda a: (a / "extra_quant_model_description.json").write_text("{}"), "exactly one"),
         (lambda a: edit_json(a / INDEX, lambda d: d["metadata"].update(total_size=1)), "total_size"),
     ],
-    ids=["offset", "missing-entry", "extra-entry", "bf16-index", "qconfig", "qconfig-text", "mtp-label",
-         "mtp-dtype", "int8-float", "scale-dtype", "globals", "two-descriptions", "total-size"],
+    ids=[
+        "offset",
+        "missing-entry",
+        "extra-entry",
+        "bf16-index",
+        "qconfig",
+        "qconfig-text",
+        "mtp-label",
+        "mtp-dtype",
+        "int8-float",
+        "scale-dtype",
+        "globals",
+        "two-descriptions",
+        "total-size",
+    ],
 )
 def test_planted_violation_is_reported(art, plant, needle):
     plant(art)
@@ -98,7 +117,9 @@ def test_fused_group_disagreement_is_reported(art):
     tensors[P + "k_proj.weight"] = (tensors[P + "k_proj.weight"].float() * scale).to(torch.bfloat16)
     save_file(tensors, str(shard), metadata={"format": "pt"})
     edit_json(art / DESC, to_float)
-    edit_json(art / INDEX, lambda d: [d["weight_map"].pop(P + f"k_proj.{x}") for x in ("weight_scale", "weight_offset")])
+    edit_json(
+        art / INDEX, lambda d: [d["weight_map"].pop(P + f"k_proj.{x}") for x in ("weight_scale", "weight_offset")]
+    )
     total = sum(t.numel() * t.element_size() for t in _all(art).values())
     edit_json(art / INDEX, lambda d: d["metadata"].update(total_size=total))
     problems = check_artifact(art)

@@ -41,7 +41,9 @@ def converted(tiny_checkpoints, tmp_path_factory) -> dict[str, Path]:
 
 def expected_sources(name: str, src: dict[str, torch.Tensor]) -> torch.Tensor:
     """The source tensor an output tensor comes from (per-expert slices of fused experts)."""
-    m = re.match(r"(.*\.mlp\.experts)\.(\d+)\.(gate_proj|up_proj|down_proj)\.(weight|weight_scale|weight_offset)$", name)
+    m = re.match(
+        r"(.*\.mlp\.experts)\.(\d+)\.(gate_proj|up_proj|down_proj)\.(weight|weight_scale|weight_offset)$", name
+    )
     if m and f"{m[1]}.gate_up_proj" in src:
         e = int(m[2])
         if m[3] == "down_proj":
@@ -58,15 +60,28 @@ def test_every_tensor_matches_its_source(tiny_checkpoints, converted):
         src = load_all(tiny_checkpoints[kind], "model.safetensors.index.json")
         out = load_all(art, "quant_model_weights.safetensors.index.json")
         desc = json.loads((art / "quant_model_description.json").read_text())
-        assert len(json.loads((art / "quant_model_weights.safetensors.index.json").read_text())["weight_map"]) == len(out)
-        assert len({v for v in json.loads((art / "quant_model_weights.safetensors.index.json").read_text())[
-            "weight_map"].values()}) > 1, "tiny artifacts are written in several shards"
+        assert len(json.loads((art / "quant_model_weights.safetensors.index.json").read_text())["weight_map"]) == len(
+            out
+        )
+        assert (
+            len(
+                {
+                    v
+                    for v in json.loads((art / "quant_model_weights.safetensors.index.json").read_text())[
+                        "weight_map"
+                    ].values()
+                }
+            )
+            > 1
+        ), "tiny artifacts are written in several shards"
         covered = set()
         for name, t in out.items():
             source = expected_sources(name, src)
             covered.add(id(source))
             if desc[name] == "FLOAT":
-                assert t.dtype == source.dtype and torch.equal(t.view(torch.uint8), source.contiguous().view(torch.uint8)), name
+                assert t.dtype == source.dtype and torch.equal(
+                    t.view(torch.uint8), source.contiguous().view(torch.uint8)
+                ), name
             elif name.endswith(".weight"):
                 q, scale = reference_w8a8(source)
                 np.testing.assert_array_equal(t.numpy(), q, err_msg=name)
@@ -120,8 +135,12 @@ def test_moe_recipe_quantizes_qkv_and_routed_experts_only(converted):
     for kind, p in (("moe-multimodal-fused", "model.language_model.layers."), ("moe-text-per-expert", "model.layers.")):
         q = quantized_modules(converted[kind])
         expected = {f"{p}3.self_attn.{x}" for x in ("q_proj", "k_proj", "v_proj")}
-        expected |= {f"{p}{i}.mlp.experts.{e}.{x}" for i in range(4) for e in range(8)
-                     for x in ("gate_proj", "up_proj", "down_proj")}
+        expected |= {
+            f"{p}{i}.mlp.experts.{e}.{x}"
+            for i in range(4)
+            for e in range(8)
+            for x in ("gate_proj", "up_proj", "down_proj")
+        }
         assert q == expected, kind
 
 

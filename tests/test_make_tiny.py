@@ -49,7 +49,9 @@ def test_same_seed_gives_identical_bytes(tmp_path):
         assert (outs[0] / name).read_bytes() == (outs[1] / name).read_bytes(), name
     other = tmp_path / "c"
     assert CliRunner().invoke(main, ["make-tiny", str(other), "--arch", "moe", "--seed", "1"]).exit_code == 0
-    assert (other / "model-00002-of-00003.safetensors").read_bytes() != (outs[0] / "model-00002-of-00003.safetensors").read_bytes()
+    assert (other / "model-00002-of-00003.safetensors").read_bytes() != (
+        outs[0] / "model-00002-of-00003.safetensors"
+    ).read_bytes()
 
 
 def test_mid_preset_is_a_few_gigabytes_with_real_proportions():

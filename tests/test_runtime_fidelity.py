@@ -5,7 +5,8 @@ Tolerances: end to end, every logit within 1e-4 (absolute, float32; the tiny che
 order 1-10, as trained models do), except at positions where transformers itself is not that stable:
 there one float32 ulp on its input embeddings moves its own logits by up to ~2e-4 (a GatedDeltaNet output
 row far below the gated RMSNorm's sqrt(eps) is scaled up, or a router's top-k scores nearly tie). Each
-position's bound is max(1e-4, NOISE_FACTOR x that movement), measured in the test. Layer by layer, given transformers' input to each layer, the runtime's output agrees to LAYER_ATOL. A real error
+position's bound is max(1e-4, NOISE_FACTOR x that movement), measured in the test. Layer by layer, given
+transformers' input to each layer, the runtime's output agrees to LAYER_ATOL. A real error
 (a transposed state, a wrong norm, a mis-committed cache) is orders of magnitude larger.
 """
 
