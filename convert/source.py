@@ -3,12 +3,12 @@ against each other before anything is written."""
 
 from __future__ import annotations
 
-import json
 from dataclasses import dataclass
 from pathlib import Path
 
 from npuport.convert.safetensors_io import TensorEntry, read_header
 from npuport.errors import CheckpointError
+from npuport.jsonfile import read_json_object
 
 QWEN35_MODEL_TYPES = {"qwen3_5": False, "qwen3_5_text": False, "qwen3_5_moe": True, "qwen3_5_moe_text": True}
 INDEX_NAME = "model.safetensors.index.json"
@@ -29,18 +29,6 @@ class SourceCheckpoint:
         return self.config.get("text_config") or self.config
 
 
-def _read_json(path: Path) -> dict:
-    try:
-        data = json.loads(path.read_text(encoding="utf-8"))
-    except FileNotFoundError:
-        raise CheckpointError(f"{path}: missing") from None
-    except (json.JSONDecodeError, UnicodeDecodeError) as e:
-        raise CheckpointError(f"{path}: not valid JSON: {e}") from None
-    if not isinstance(data, dict):
-        raise CheckpointError(f"{path}: expected a JSON object")
-    return data
-
-
 def open_source(path: Path) -> SourceCheckpoint:
     """Read and cross-check config.json, the index and all shard headers of the source at `path`."""
     path = Path(path)
@@ -48,14 +36,14 @@ def open_source(path: Path) -> SourceCheckpoint:
         raise CheckpointError(f"{path}: not a folder")
     if any(p.name.endswith("quant_model_description.json") for p in path.iterdir()):
         raise CheckpointError(f"{path}: this is already a quantized artifact; convert its BF16 source")
-    config = _read_json(path / "config.json")
+    config = read_json_object(path / "config.json", CheckpointError)
     model_type = config.get("model_type")
     if model_type not in QWEN35_MODEL_TYPES:
         known = ", ".join(sorted(QWEN35_MODEL_TYPES))
         raise CheckpointError(f"{path / 'config.json'}: unknown model_type {model_type!r} (npuport converts {known})")
     index_path = path / INDEX_NAME
     if index_path.exists():
-        index = _read_json(index_path)
+        index = read_json_object(index_path, CheckpointError)
         weight_map = index.get("weight_map")
         if not isinstance(weight_map, dict) or not weight_map:
             raise CheckpointError(f"{index_path}: no weight_map")

@@ -177,5 +177,141 @@ def generate_cmd(model: Path, texts: tuple[str, ...], id_prompts: tuple[str, ...
     click.echo(json.dumps(report, indent=2) if as_json else format_report(report))
 
 
+# The GSM8K protocol names and defaults: a standard-library module, cheap to import with the command line.
+from npuport.runtime.gsm8k import DEFAULT_PROTOCOL, LM_EVAL_SEED, MAX_NEW_TOKENS, PROTOCOLS  # noqa: E402
+
+
+@main.command("validate")
+@click.argument("artifact", type=click.Path(path_type=Path, exists=True, file_okay=False))
+@click.option("--gsm8k", "gsm8k", is_flag=True, required=True, help="Run GSM8K (the benchmark validate runs).")
+@click.option("--protocol", type=click.Choice(PROTOCOLS), default=DEFAULT_PROTOCOL, show_default=True,
+              help="Whose GSM8K conventions: prompts, scored questions, stop strings, answer extraction.")
+@click.option("--data", type=click.Path(path_type=Path, exists=True),
+              help="A GSM8K folder (test.jsonl, train.jsonl) or a test .jsonl file; default: the copy shipped "
+                   "with npuport.")
+@click.option("--num-questions", type=click.IntRange(min=1), default=None, help="Default: every question.")
+@click.option("--shots", type=click.IntRange(min=0), default=None, help="Default: 5 (aisbench: 0).")
+@click.option("--max-new-tokens", type=click.IntRange(min=1), default=MAX_NEW_TOKENS, show_default=True,
+              help="Per question; also per request in the throughput runs.")
+@click.option("--batch-size", type=click.IntRange(min=1), default=16, show_default=True,
+              help="Questions per generate call on the built-in runtime; the throughput runs use one such batch.")
+@click.option("--mtp", type=click.IntRange(0, 4), default=0, show_default=True,
+              help="MTP speculative decoding with K drafts per round on the built-in runtime (0 = off); with K > 0 "
+                   "throughput is timed with and without it.")
+@click.option("--seed", type=int, default=LM_EVAL_SEED, show_default=True,
+              help="lm-eval's shot sampling and the paired bootstrap.")
+@click.option("--reference", type=click.Path(path_type=Path, exists=True, file_okay=False),
+              help="The BF16 source: the same run on it (built-in runtime), the paired accuracy difference and "
+                   "fidelity.")
+@click.option("--endpoint", metavar="URL", help="Run the artifact on an OpenAI-compatible server (/v1/completions) "
+              "instead of the built-in runtime; fidelity and throughput are then not measured for it.")
+@click.option("--endpoint-model", metavar="NAME", help="The model name to send (default: ARTIFACT as given).")
+@click.option("--parallel", type=click.IntRange(min=1), default=16, show_default=True,
+              help="Requests in flight to --endpoint.")
+@click.option("--timeout", "timeout_s", type=click.FloatRange(min=0, min_open=True), default=600.0, show_default=True,
+              help="Seconds to wait for an endpoint answer.")
+@click.option("--retries", type=click.IntRange(min=0), default=3, show_default=True,
+              help="Retries of a request that failed to connect, timed out or got HTTP 429/5xx (waits 1, 2, 4 s...).")
+@click.option("--device", type=click.Choice(["npu", "cuda", "cpu"]), default=None,
+              help="Default: npu if torch_npu imports, else cuda, else cpu.")
+@click.option("--dtype", type=click.Choice(["bfloat16", "float16", "float32", "float64"]), default="bfloat16",
+              show_default=True)
+@click.option("--fidelity-questions", type=click.IntRange(min=1), default=None,
+              help="Fidelity on the first N questions only (default: all of them).")
+@click.option("--throughput/--no-throughput", default=True, show_default=True,
+              help="Time prefill and decode on the built-in runtime.")
+@click.option("--max-accuracy-drop", type=click.FloatRange(min=0), default=1.0, show_default=True,
+              help="Gate (with --reference): fail when the artifact's accuracy is more than this many points below "
+                   "the reference's.")
+@click.option("--min-acceptance", type=click.FloatRange(min=1.0), default=None,
+              help="Gate (with --mtp): fail when the MTP mean acceptance length - accepted drafts + 1 per verify "
+                   "round, 1 to K+1 - is below this.")
+@click.option("--chat-template-kwargs", metavar="JSON", default=None,
+              help='For aisbench\'s chat prompt, e.g. \'{"enable_thinking": false}\'.')
+@click.option("--out", "out", type=click.Path(path_type=Path), default=None,
+              help="Report folder (default: ./validation-<ARTIFACT folder name>).")
+def validate_cmd(artifact: Path, gsm8k: bool, protocol: str, data: Path | None, num_questions: int | None,
+                 shots: int | None, max_new_tokens: int, batch_size: int, mtp: int, seed: int, reference: Path | None,
+                 endpoint: str | None, endpoint_model: str | None, parallel: int, timeout_s: float, retries: int,
+                 device: str | None, dtype: str, fidelity_questions: int | None, throughput: bool,
+                 max_accuracy_drop: float, min_acceptance: float | None, chat_template_kwargs: str | None,
+                 out: Path | None) -> None:
+    """Validate the W8A8 ARTIFACT: GSM8K accuracy, and with --reference the paired difference and fidelity
+    against the BF16 source; throughput and MTP acceptance; report.json, report.md, plots and completions.jsonl.
+    Exits 1 when a gate fails."""
+    import json
+
+    from npuport.runtime.validate import ValidateOptions, run_validation
+
+    try:
+        template_kwargs = json.loads(chat_template_kwargs) if chat_template_kwargs else {}
+    except json.JSONDecodeError as e:
+        raise NpuportError(f"--chat-template-kwargs is not JSON: {e}") from None
+    if not isinstance(template_kwargs, dict):
+        raise NpuportError("--chat-template-kwargs must be a JSON object")
+    options = ValidateOptions(artifact, protocol, data, num_questions, shots, max_new_tokens, batch_size, mtp, seed,
+                              reference, endpoint, endpoint_model, parallel, timeout_s, retries, device, dtype,
+                              fidelity_questions, throughput, max_accuracy_drop, min_acceptance, template_kwargs)
+    outcome = run_validation(options, out or Path(f"validation-{artifact.resolve().name}"),
+                             log=lambda m: click.echo(m, err=True))
+    files = outcome.files
+    click.echo(f"report: {files.markdown} ({files.json.name}, {len(files.plots)} plot(s), {outcome.completions.name})")
+    for gate in outcome.report.gates:
+        click.echo(f"gate {'passed' if gate.passed else 'FAILED'}: {gate.name} ({gate.detail})")
+    if outcome.failed_gates:
+        click.echo(f"error: {len(outcome.failed_gates)} gate(s) failed", err=True)
+        sys.exit(1)
+
+
+@main.command("serve")
+@click.argument("model", type=click.Path(path_type=Path, exists=True, file_okay=False))
+@click.option("--port", type=click.IntRange(0, 65535), default=8000, show_default=True,
+              help="0: any free port (the line printed at start names it).")
+@click.option("--host", default="127.0.0.1", show_default=True,
+              help="Loopback by default; 0.0.0.0 serves every network the machine is on (no authentication).")
+@click.option("--served-model-name", default=None, help="The name clients send as `model` (default: MODEL as given).")
+@click.option("--mtp", type=click.IntRange(0, 4), default=0, show_default=True,
+              help="MTP speculative decoding with K draft tokens per round (0 = off).")
+@click.option("--max-batch-size", type=click.IntRange(min=1), default=16, show_default=True,
+              help="Prompts of one request generated together.")
+@click.option("--device", type=click.Choice(["npu", "cuda", "cpu"]), default=None,
+              help="Default: npu if torch_npu imports, else cuda, else cpu.")
+@click.option("--dtype", type=click.Choice(["bfloat16", "float16", "float32", "float64"]), default="bfloat16",
+              show_default=True)
+@click.option("--quiet", is_flag=True, help="Do not log each request.")
+def serve_cmd(model: Path, port: int, host: str, served_model_name: str | None, mtp: int, max_batch_size: int,
+              device: str | None, dtype: str, quiet: bool) -> None:
+    """Serve MODEL (a W8A8 artifact or BF16 source) on the built-in runtime as an OpenAI-compatible endpoint:
+    POST /v1/completions, GET /v1/models. One request runs at a time."""
+    from npuport.runtime.serve import serve_model
+
+    serve_model(model, host=host, port=port, served_model=served_model_name, device=device, dtype=dtype, mtp=mtp,
+                max_batch_size=max_batch_size, announce=click.echo,
+                log=None if quiet else lambda m: click.echo(m, err=True))
+
+
+@main.command("train-tiny")
+@click.argument("out", type=click.Path(path_type=Path))
+@click.option("--size", type=click.Choice(["tiny", "small"]), default="tiny", show_default=True,
+              help="tiny: a few MB, minutes on 2 CPU cores; small: ~100M parameters, minutes on one GPU.")
+@click.option("--arch", type=click.Choice(["dense", "moe"]), default="dense", show_default=True)
+@click.option("--seed", type=int, default=0, show_default=True)
+@click.option("--steps", type=click.IntRange(min=1), default=None, help="Optimizer steps (default: the preset's).")
+@click.option("--device", type=click.Choice(["npu", "cuda", "cpu"]), default=None,
+              help="Default: npu if torch_npu imports, else cuda, else cpu.")
+@click.option("--threads", type=click.IntRange(min=1), default=2, show_default=True,
+              help="CPU threads while training; the weights depend on it.")
+@click.option("--quiet", is_flag=True, help="No progress bar.")
+def train_tiny_cmd(out: Path, size: str, arch: str, seed: int, steps: int | None, device: str | None, threads: int,
+                   quiet: bool) -> None:
+    """Train a small Qwen3.5 and its MTP head on GSM8K train text; write it BF16 to OUT (make-tiny's layout)."""
+    from npuport.train_tiny import TrainSpec, train_tiny
+
+    result = train_tiny(out, TrainSpec(size, arch, seed, steps, threads), device, show_progress=not quiet,
+                        log=lambda m: click.echo(m, err=True))
+    click.echo(f"wrote {out}: {result.steps} steps ({result.tokens / 1e6:.1f}M tokens) in {result.seconds:.0f} s; "
+               f"final loss {result.target_loss:.3f}, MTP loss {result.mtp_loss:.3f}")
+
+
 if __name__ == "__main__":
     main()

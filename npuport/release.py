@@ -9,7 +9,6 @@ change the artifact it came from).
 from __future__ import annotations
 
 import hashlib
-import json
 import re
 import shutil
 import tarfile
@@ -24,6 +23,7 @@ from npuport.convert.ascend_writer import DESCRIPTION_NAME
 from npuport.convert.check import check_artifact
 from npuport.convert.converter import GB, MANIFEST_NAME
 from npuport.errors import NpuportError
+from npuport.jsonfile import read_json_object
 from npuport.model_card import CardFacts, license_id, render_model_card
 from npuport.runtime.report import REPORT_FORMAT
 
@@ -45,19 +45,9 @@ class ReleaseError(NpuportError):
 # Reading the inputs
 
 
-def read_json_object(path: Path) -> dict[str, Any]:
-    try:
-        data = json.loads(Path(path).read_text(encoding="utf-8"))
-    except (OSError, ValueError) as e:
-        raise ReleaseError(f"{path}: cannot be read as JSON ({e})") from None
-    if not isinstance(data, dict):
-        raise ReleaseError(f"{path}: not a JSON object")
-    return data
-
-
 def load_report(path: Path) -> dict[str, Any]:
     """A validation report.json (runtime/report.py's format), with its gates checked for shape."""
-    data = read_json_object(path)
+    data = read_json_object(path, ReleaseError)
     if data.get("format") != REPORT_FORMAT:
         raise ReleaseError(f"{path}: not an npuport validation report (format {data.get('format')!r}, "
                            f"expected {REPORT_FORMAT})")
@@ -187,7 +177,8 @@ def _read_inputs(artifact: Path, report_path: Path | None) -> _Inputs:
     recipes = recipe_files(artifact)
     if len(recipes) != 1:
         raise ReleaseError(f"{artifact}: expected one *{RECIPE_SUFFIX} (the recipe applied), found {len(recipes)}")
-    return _Inputs(artifact, read_json_object(artifact / MANIFEST_NAME), read_json_object(artifact / DESCRIPTION_NAME),
+    return _Inputs(artifact, read_json_object(artifact / MANIFEST_NAME, ReleaseError),
+                   read_json_object(artifact / DESCRIPTION_NAME, ReleaseError),
                    recipes[0], _artifact_files(artifact), report_path,
                    None if report_path is None else load_report(report_path),
                    [] if report_path is None else [report_path, *report_attachments(report_path)])

@@ -2,11 +2,11 @@
 
 from __future__ import annotations
 
-import json
 from dataclasses import dataclass
 from pathlib import Path
 
 from npuport.errors import CheckpointError
+from npuport.jsonfile import read_json_object
 
 FULL_ATTENTION = "full_attention"
 LINEAR_ATTENTION = "linear_attention"
@@ -108,10 +108,4 @@ class ModelConfig:
 
 def load_config(model_dir: Path) -> ModelConfig:
     path = Path(model_dir) / "config.json"
-    try:
-        data = json.loads(path.read_text(encoding="utf-8"))
-    except FileNotFoundError:
-        raise CheckpointError(f"{path}: missing") from None
-    except (json.JSONDecodeError, UnicodeDecodeError) as e:
-        raise CheckpointError(f"{path}: not valid JSON: {e}") from None
-    return ModelConfig.from_dict(data, str(path))
+    return ModelConfig.from_dict(read_json_object(path, CheckpointError), str(path))

@@ -5,7 +5,6 @@ missing, misshapen, of the wrong dtype or wrongly labelled fails the load with i
 from __future__ import annotations
 
 import dataclasses
-import json
 import re
 from pathlib import Path
 
@@ -18,6 +17,7 @@ from npuport.convert.qwen35_names import MTP_PREFIX, PER_EXPERT, text_prefix
 from npuport.convert.recipe import FLOAT, W8A8_DYNAMIC
 from npuport.convert.source import INDEX_NAME as SOURCE_INDEX_NAME
 from npuport.errors import ArtifactError, CheckpointError, NpuportError
+from npuport.jsonfile import read_json_object
 from npuport.runtime.config import ModelConfig, load_config
 from npuport.runtime.devices import pick_device
 from npuport.runtime.linear import Linear, W8A8Linear
@@ -39,7 +39,9 @@ class Checkpoint:
         if len(descriptions) > 1:
             names = ", ".join(p.name for p in descriptions)
             raise ArtifactError(f"{self.path}: more than one {DESCRIPTION_NAME}: {names}")
-        self.labels: dict[str, object] | None = self._read_json(descriptions[0]) if descriptions else None
+        self.labels: dict[str, object] | None = (
+            read_json_object(descriptions[0], ArtifactError) if descriptions else None
+        )
         self.files = self._tensor_files()
         self._handles: dict[Path, object] = {}
 
@@ -50,19 +52,10 @@ class Checkpoint:
     def error(self, message: str) -> NpuportError:
         return (ArtifactError if self.is_artifact else CheckpointError)(f"{self.path}: {message}")
 
-    def _read_json(self, path: Path) -> dict:
-        try:
-            data = json.loads(path.read_text(encoding="utf-8"))
-        except (OSError, ValueError) as e:
-            raise ArtifactError(f"{path}: cannot be read as JSON: {e}") from None
-        if not isinstance(data, dict):
-            raise ArtifactError(f"{path}: not a JSON object")
-        return data
-
     def _tensor_files(self) -> dict[str, Path]:
         index = self.path / (ARTIFACT_INDEX_NAME if self.is_artifact else SOURCE_INDEX_NAME)
         if index.exists():
-            weight_map = self._read_json(index).get("weight_map")
+            weight_map = read_json_object(index, ArtifactError).get("weight_map")
             if not isinstance(weight_map, dict):
                 raise self.error(f"{index.name} has no weight_map")
             return {name: self.path / shard for name, shard in weight_map.items()}

@@ -1,0 +1,35 @@
+"""The pass/fail verdicts of a validation run: accuracy no more than N points below the reference, and MTP mean
+acceptance length no lower than a floor (VALIDATION.md, "Tolerances in use elsewhere")."""
+
+from __future__ import annotations
+
+from npuport.runtime.report import AccuracyRow, Gate, MTPAcceptance
+
+DEFAULT_MAX_ACCURACY_DROP = 1.0  # points: vllm-ascend nightly's |accuracy - baseline| <= 1 on most GSM8K cases
+
+
+def accuracy_drop_gate(row: AccuracyRow, max_drop_points: float, candidate: str = "W8A8",
+                       reference: str = "BF16") -> Gate:
+    """Fails when the candidate's headline accuracy is more than `max_drop_points` percentage points below the
+    reference's on the same questions (point estimates; the paired interval is given in the detail)."""
+    if row.reference is None:
+        raise ValueError("the accuracy gate needs the reference's result")
+    difference = (row.candidate.accuracy - row.reference.accuracy) * 100
+    detail = (f"{row.candidate.protocol}, {row.candidate.num_questions} questions: {candidate} "
+              f"{row.candidate.accuracy * 100:.2f} % vs {reference} {row.reference.accuracy * 100:.2f} %, "
+              f"{difference:+.2f} points")
+    if row.comparison is not None:
+        low, high = row.comparison.interval
+        detail += (f" ({row.comparison.confidence:.0%} paired bootstrap interval {low * 100:+.2f} to "
+                   f"{high * 100:+.2f}; McNemar p {row.comparison.mcnemar_p:.3g})")
+    return Gate(f"max-accuracy-drop {max_drop_points:g} points", difference >= -max_drop_points, detail)
+
+
+def acceptance_gate(mtp: MTPAcceptance, min_length: float) -> Gate:
+    """Fails when the MTP mean acceptance length (accepted drafts + 1 per verify round) is below `min_length`."""
+    rates = ", ".join(f"{r:.2f}" for r in mtp.per_position)
+    detail = (f"mean acceptance length {mtp.mean_acceptance_length:.2f} with k={mtp.num_speculative_tokens}"
+              + (f" over {mtp.num_rounds} rounds" if mtp.num_rounds is not None else "")
+              + f"; per draft position [{rates}]")
+    return Gate(f"min-acceptance {min_length:g} (mean acceptance length)", mtp.mean_acceptance_length >= min_length,
+                detail)
