@@ -1,11 +1,32 @@
 """W8A8_DYNAMIC matmul: per-token symmetric int8 activation quantization, int8 x int8 -> int32 matmul, and the
 rescale by activation and weight scales (CONTRACT.md: x_q = round(x / s_x), s_x = max|x_row| / 127,
 y = (x_q @ W_q^T) * s_x * s_w).
+
+The Triton path is two kernels: the quantization, and the GEMM with the rescale in its epilogue (bf16 out).
+Both are bit-exact against the references. On an H200 it beats BF16 F.linear at decode and prefill sizes
+and falls short of it at some M in 256..1024 (bench/RESULTS.md). There is no fallback for those: with only
+int8 weights in memory, no faster path exists; one would need a BF16 copy of the weight (the int8 values
+held exactly in bf16 through cuBLAS, same rescale), twice the int8 weight memory, which is not done here.
 """
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
+
+from npuport.kernels.launch import (
+    is_cpu,
+    is_gpu,
+    is_npu,
+    jit,
+    launch,
+    launch_options,
+    next_power_of_2,
+    persistent_grid,
+    tl,
+    use_triton,
+)
 
 QMAX = 127
 # An all-zero row would get scale 0; any positive scale quantizes it to zeros, so floor it.
@@ -14,6 +35,8 @@ SCALE_FLOOR = 1e-12
 
 def quantize_per_token_int8(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """x [M, K] (any float dtype) -> x_q int8 [M, K], x_scale fp32 [M, 1] (round half to even)."""
+    if use_triton(x):
+        return quantize_per_token_int8_triton(x)
     return quantize_per_token_int8_reference(x)
 
 
@@ -22,12 +45,16 @@ def int8_matmul_rescale(
 ) -> torch.Tensor:
     """x_q int8 [M, K], x_scale fp32 [M, 1], w_q int8 [N, K], w_scale fp32 [N, 1] -> y [M, N] in out_dtype:
     the exact int32 product, rescaled in fp32 (float64 for a float64 out_dtype)."""
+    if use_triton(x_q) and out_dtype != torch.float64:
+        return int8_matmul_rescale_triton(x_q, x_scale, w_q, w_scale, out_dtype)
     return int8_matmul_rescale_reference(x_q, x_scale, w_q, w_scale, out_dtype)
 
 
 def quantize_per_token_int8_reference(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     xf = x.float()
-    scale = (xf.abs().amax(dim=-1, keepdim=True) / QMAX).clamp_min(SCALE_FLOOR)
+    amax = xf.abs().amax(dim=-1, keepdim=True)
+    # A true division: on CUDA, dividing by a Python number multiplies by its reciprocal instead (an ulp off).
+    scale = (amax / torch.full_like(amax, QMAX)).clamp_min(SCALE_FLOOR)
     x_q = (xf / scale).round().clamp(-QMAX - 1, QMAX).to(torch.int8)
     return x_q, scale
 
@@ -35,8 +62,195 @@ def quantize_per_token_int8_reference(x: torch.Tensor) -> tuple[torch.Tensor, to
 def int8_matmul_rescale_reference(
     x_q: torch.Tensor, x_scale: torch.Tensor, w_q: torch.Tensor, w_scale: torch.Tensor, out_dtype: torch.dtype
 ) -> torch.Tensor:
-    # int32 accumulation is exact for K < 2**31 / 128**2 = 131072, far beyond any hidden size here.
-    acc = x_q.to(torch.int32) @ w_q.to(torch.int32).T  # [M, N] int32
+    # int32 accumulation is exact for K < 2**31 / 128**2 = 131072, far beyond any hidden size here. GPUs have
+    # no int32 matmul in torch: there float64 holds the same sums exactly (|sum| < 2**31 < 2**53).
+    if is_cpu(x_q.device):
+        acc = x_q.to(torch.int32) @ w_q.to(torch.int32).T  # [M, N] int32
+    else:
+        acc = (x_q.double() @ w_q.double().T).to(torch.int32)
     rescale = torch.promote_types(out_dtype, torch.float32)
     y = acc.to(rescale) * x_scale.to(rescale) * w_scale.to(rescale).T
     return y.to(out_dtype)
+
+
+@jit
+def _div_rn(x, y):
+    """x / y rounded to nearest, as the reference's IEEE division, from a GPU's division (within a few ulps):
+    two corrections of the quotient by its exact residual x - q y (an fma)."""
+    q = x / y
+    inv = 1.0 / y
+    q = tl.fma(tl.fma(-q, y, x), inv, q)
+    return tl.fma(tl.fma(-q, y, x), inv, q)
+
+
+# NPU budget: one [BLOCK_K] fp32 row slice, 4096 x 4 B x 3 live = 48 KiB.
+@jit
+def _quantize_kernel(x, x_q, x_scale, M, K, sx_m, sq_m, BLOCK_K: tl.constexpr):
+    cols = tl.arange(0, BLOCK_K)
+    for row in range(tl.program_id(0), M, tl.num_programs(0)):
+        x_row = x + tl.cast(row, tl.int64) * sx_m
+        amax = tl.zeros([BLOCK_K], dtype=tl.float32)
+        for k0 in range(0, K, BLOCK_K):
+            part = tl.load(x_row + k0 + cols, mask=k0 + cols < K, other=0.0).to(tl.float32)
+            amax = tl.maximum(amax, tl.abs(part))
+        scale = tl.maximum(_div_rn(tl.max(amax, 0), 127.0), 1e-12)
+        tl.store(x_scale + row, scale)
+        for k0 in range(0, K, BLOCK_K):
+            ok = k0 + cols < K
+            y = _div_rn(tl.load(x_row + k0 + cols, mask=ok, other=0.0).to(tl.float32), scale)
+            # round half to even, exactly: y - floor(y) is exact for |y| <= 128
+            whole = tl.floor(y)
+            frac = y - whole
+            q = whole.to(tl.int32)
+            q += ((frac > 0.5) | ((frac == 0.5) & ((q & 1) == 1))).to(tl.int32)
+            q = tl.minimum(tl.maximum(q, -128), 127)
+            tl.store(x_q + tl.cast(row, tl.int64) * sq_m + k0 + cols, q.to(tl.int8), mask=ok)
+
+
+def quantize_per_token_int8_triton(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """The Triton kernel behind quantize_per_token_int8 (any device; CPU tensors run in Triton's interpreter)."""
+    if x.stride(-1) != 1:
+        x = x.contiguous()
+    m, k = x.shape
+    x_q = torch.empty(m, k, dtype=torch.int8, device=x.device)
+    x_scale = torch.empty(m, 1, dtype=torch.float32, device=x.device)
+    block_k = min(4096, max(16, next_power_of_2(k)))
+    launch(_quantize_kernel, persistent_grid(x.device, m), x, x_q, x_scale, m, k, x.stride(0), x_q.stride(0),
+           BLOCK_K=block_k, **launch_options(x.device, num_warps=8 if block_k >= 2048 else 4))
+    return x_q, x_scale
+
+
+# NPU budget (the launcher keeps BM x BN <= 128 x 128 there): int8 tiles [BM, BK] + [BK, BN] = 2 x 16 KiB at
+# BK = 128, the int32 accumulator 64 KiB: over 70 KiB, so the NPU launch turns multi-buffering off.
+@jit
+def _w8a8_gemm_kernel(x_q, x_scale, w_q, w_scale, out, M, N, K, sx_m, sw_n, so_m, n_tasks,
+                      BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, GROUP_M: tl.constexpr,
+                      EVEN_K: tl.constexpr):
+    tiles_m = (M + BM - 1) // BM
+    tiles_n = (N + BN - 1) // BN
+    k_tiles = (K + BK - 1) // BK
+    rk = tl.arange(0, BK)
+    for tile in range(tl.program_id(0), n_tasks, tl.num_programs(0)):
+        # GROUP_M row tiles in a row walk the same weight columns, so those stay in L2 between them.
+        in_group = GROUP_M * tiles_n
+        first_m = tile // in_group * GROUP_M
+        group_m = tl.minimum(tiles_m - first_m, GROUP_M)
+        pid_m = first_m + (tile % in_group) % group_m
+        pid_n = (tile % in_group) // group_m
+        rm = pid_m * BM + tl.arange(0, BM)
+        rn = pid_n * BN + tl.arange(0, BN)
+        m_ok = rm < M
+        n_ok = rn < N
+        x_ptrs = x_q + rm[:, None].to(tl.int64) * sx_m + rk[None, :]
+        w_ptrs = w_q + rn[None, :].to(tl.int64) * sw_n + rk[:, None]
+        acc = tl.zeros([BM, BN], dtype=tl.int32)
+        for kt in range(0, k_tiles):
+            if EVEN_K:
+                a = tl.load(x_ptrs + kt * BK, mask=m_ok[:, None], other=0)
+                b = tl.load(w_ptrs + kt * BK, mask=n_ok[None, :], other=0)
+            else:
+                k_ok = kt * BK + rk < K
+                a = tl.load(x_ptrs + kt * BK, mask=m_ok[:, None] & k_ok[None, :], other=0)
+                b = tl.load(w_ptrs + kt * BK, mask=k_ok[:, None] & n_ok[None, :], other=0)
+            acc = tl.dot(a, b, acc, out_dtype=tl.int32)
+        # the epilogue: exact int32 sums, rescaled in fp32 in the reference's order, rounded once
+        x_s = tl.load(x_scale + rm, mask=m_ok, other=0.0)
+        w_s = tl.load(w_scale + rn, mask=n_ok, other=0.0)
+        y = acc.to(tl.float32) * x_s[:, None] * w_s[None, :]
+        tl.store(out + rm[:, None].to(tl.int64) * so_m + rn[None, :], y.to(out.dtype.element_ty),
+                 mask=m_ok[:, None] & n_ok[None, :])
+
+
+@dataclass(frozen=True)
+class GemmConfig:
+    """Tile sizes and launch options of the int8 GEMM."""
+
+    bm: int
+    bn: int
+    bk: int
+    group_m: int = 8
+    num_warps: int = 4
+    num_stages: int = 4
+
+
+def _c(bm: int, bn: int, bk: int, warps: int, stages: int) -> GemmConfig:
+    return GemmConfig(bm, bn, bk, 8, warps, stages)
+
+
+# Candidate tiles per range of M on a GPU, from a sweep on an H200 at the 27B shapes (bench/kernels.py
+# --sweep; bench/RESULTS.md): decode sizes stream the weight with 16-row tiles (tensor cores need 16);
+# larger M grows the tiles. Splitting K (tried: int32 atomics and a per-tile semaphore) was slower at every
+# shape, so there is none. Where a range lists several, the first call of each shape times them once.
+GPU_CANDIDATES: list[tuple[int, list[GemmConfig]]] = [
+    (16, [_c(16, 64, 256, 4, 4), _c(16, 32, 512, 4, 4)]),
+    (32, [_c(32, 64, 256, 4, 4), _c(16, 64, 256, 4, 4), _c(32, 32, 256, 4, 4)]),
+    (64, [_c(64, 64, 256, 4, 4), _c(64, 128, 128, 4, 4), _c(32, 64, 256, 4, 4), _c(64, 32, 256, 4, 4)]),
+    (256, [_c(64, 128, 128, 4, 4), _c(128, 128, 256, 8, 3), _c(64, 64, 256, 4, 4), _c(128, 64, 256, 4, 4)]),
+    (2048, [_c(64, 128, 128, 4, 4), _c(128, 128, 256, 8, 3), _c(128, 256, 128, 8, 3), _c(128, 64, 256, 4, 4)]),
+    (1 << 62, [_c(128, 256, 128, 8, 3), _c(256, 128, 128, 8, 3), _c(128, 128, 256, 8, 3)]),
+]
+
+
+def gemm_candidates(m: int, device: torch.device) -> list[GemmConfig]:
+    """The tiles worth trying for an [M, K] x [K, N] int8 product on `device`, best guess first."""
+    if is_npu(device):  # cube cores take 16-row fractal tiles
+        return [GemmConfig(bm=min(128, max(16, next_power_of_2(m))), bn=128, bk=128)]
+    return next(cands for limit, cands in GPU_CANDIDATES if m <= limit)
+
+
+def gemm_config(m: int, n: int, k: int, device: torch.device) -> GemmConfig:
+    """The tiles used for this product: the tuned choice if this shape was timed, else the first candidate."""
+    return _tuned.get(_tuning_key(m, n, k, device)) or gemm_candidates(m, device)[0]
+
+
+_tuned: dict[tuple, GemmConfig] = {}
+
+
+def _tuning_key(m: int, n: int, k: int, device: torch.device) -> tuple:
+    return (device, next_power_of_2(m), n, k)
+
+
+def _launch_gemm(x_q, x_scale, w_q, w_scale, out, cfg: GemmConfig) -> None:
+    m, k = x_q.shape
+    n = w_q.shape[0]
+    n_tasks = -(-m // cfg.bm) * -(-n // cfg.bn)
+    launch(_w8a8_gemm_kernel, persistent_grid(x_q.device, n_tasks, "cube"), x_q, x_scale, w_q, w_scale, out, m, n, k,
+           x_q.stride(0), w_q.stride(0), out.stride(0), n_tasks, BM=cfg.bm, BN=cfg.bn, BK=cfg.bk,
+           GROUP_M=cfg.group_m, EVEN_K=k % cfg.bk == 0,
+           **launch_options(x_q.device, num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+                            npu={"multibuffer": False}))
+
+
+def _tune(x_q, x_scale, w_q, w_scale, out) -> GemmConfig:
+    """Time each candidate once on these operands (the first call of a shape, outside any graph capture)
+    and keep the fastest for the shape's range of M."""
+    import triton.testing
+
+    m, k = x_q.shape
+    key = _tuning_key(m, w_q.shape[0], k, x_q.device)
+    if key not in _tuned:
+        cands = gemm_candidates(m, x_q.device)
+        times = [triton.testing.do_bench(lambda c=c: _launch_gemm(x_q, x_scale, w_q, w_scale, out, c), warmup=5,
+                                         rep=20, return_mode="median") if len(cands) > 1 else 0.0 for c in cands]
+        _tuned[key] = cands[times.index(min(times))]
+    return _tuned[key]
+
+
+def int8_matmul_rescale_triton(
+    x_q: torch.Tensor, x_scale: torch.Tensor, w_q: torch.Tensor, w_scale: torch.Tensor, out_dtype: torch.dtype,
+    config: GemmConfig | None = None,
+) -> torch.Tensor:
+    """The Triton kernel behind int8_matmul_rescale (any device; CPU tensors run in Triton's interpreter).
+    On a GPU the first call of each shape (per power of 2 of M) picks the fastest of gemm_candidates."""
+    if x_q.stride(-1) != 1:
+        x_q = x_q.contiguous()
+    if w_q.stride(-1) != 1:
+        w_q = w_q.contiguous()
+    m, k = x_q.shape
+    out = torch.empty(m, w_q.shape[0], dtype=out_dtype, device=x_q.device)
+    x_scale, w_scale = x_scale.reshape(-1), w_scale.reshape(-1)
+    if config is None:
+        config = _tune(x_q, x_scale, w_q, w_scale, out) if is_gpu(x_q.device) else gemm_config(
+            m, w_q.shape[0], k, x_q.device)
+    _launch_gemm(x_q, x_scale, w_q, w_scale, out, config)
+    return out

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 import importlib
 
 import torch
@@ -41,3 +42,83 @@ def device_kind(kind: str | None = None) -> str:
 def pick_device(kind: str | None = None) -> torch.device:
     """The torch device of device_kind(kind)."""
     return torch.device(device_kind(kind))
+
+
+# What the kernels and the generation loop ask of a device. Everything that names a device kind is here.
+
+# Ascend AI cores when the driver cannot say (Atlas A2: 24 cube cores, 48 vector cores).
+NPU_CORES_FALLBACK = {"cube": 24, "vector": 48}
+H200_MULTIPROCESSORS = 132
+
+
+def is_cpu(device: torch.device) -> bool:
+    return device.type == "cpu"
+
+
+def is_npu(device: torch.device) -> bool:
+    return device.type == "npu"
+
+
+def is_gpu(device: torch.device) -> bool:
+    """An NVIDIA GPU (CUDA)."""
+    return device.type == "cuda"
+
+
+def runs_triton(device: torch.device) -> bool:
+    """Whether the runtime takes the Triton kernels on this device (CUDA, or an NPU through triton-ascend);
+    the pure-PyTorch references run everywhere else."""
+    return device.type in ("cuda", "npu")
+
+
+@functools.cache
+def multiprocessor_count(device: torch.device) -> int:
+    """Streaming multiprocessors of a GPU; where there is none (the interpreter), an H200's, so that kernels
+    tile as on the GPU they were tuned for."""
+    if is_gpu(device) and torch.cuda.is_available():
+        return torch.cuda.get_device_properties(device).multi_processor_count
+    return H200_MULTIPROCESSORS
+
+
+@functools.cache
+def npu_core_count(device: torch.device, kind: str) -> int:
+    """AI cores of `kind` ("cube" for tl.dot work, "vector" for the rest) on an Ascend device."""
+    try:
+        import triton
+
+        props = triton.runtime.driver.active.utils.get_device_properties(device.index or 0)
+        return int(props["num_aicore" if kind == "cube" else "num_vectorcore"])
+    except Exception:  # noqa: BLE001 - any driver without that query
+        return NPU_CORES_FALLBACK[kind]
+
+
+def graphs_supported(device: torch.device) -> bool:
+    """Whether decode / verify steps can be captured and replayed as graphs here (CUDA graphs)."""
+    return is_gpu(device)
+
+
+class DeviceGraph:
+    """A step of device work captured once and replayed as one launch (a CUDA graph). Capture runs `fn`
+    without executing it; the caller warms `fn` up first (kernel compilation, workspaces), on scratch state."""
+
+    def __init__(self, device: torch.device) -> None:
+        if not graphs_supported(device):
+            raise NpuportError(f"graph capture is not available on {device}")
+        self.device = device
+        self.graph = torch.cuda.CUDAGraph()
+
+    def warm_up(self, fn):
+        """Run fn() eagerly on a side stream, as capture wants; returns its result."""
+        stream = torch.cuda.Stream(self.device)
+        stream.wait_stream(torch.cuda.current_stream(self.device))
+        with torch.cuda.stream(stream):
+            out = fn()
+        torch.cuda.current_stream(self.device).wait_stream(stream)
+        return out
+
+    def capture(self, fn):
+        """Record fn(); returns its outputs, which every replay overwrites in place."""
+        with torch.cuda.graph(self.graph):
+            return fn()
+
+    def replay(self) -> None:
+        self.graph.replay()

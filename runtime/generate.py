@@ -4,15 +4,17 @@ max tokens and acceptance statistics per draft position (QWEN35.md, "Verify, acc
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Sequence
+import copy
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 
 import torch
 
 from npuport.errors import NpuportError
+from npuport.runtime.devices import DeviceGraph, graphs_supported
 from npuport.runtime.model import Qwen35
 from npuport.runtime.sampling import SamplingParams, accept_drafts, make_generator, sample
-from npuport.runtime.state import ModelState, commit_accepted
+from npuport.runtime.state import GDNState, ModelState, commit_accepted
 
 MAX_DRAFTS = 4
 
@@ -146,12 +148,110 @@ def draft(model: Qwen35, state: ModelState, logits: torch.Tensor, hidden: torch.
     return torch.stack(drafts, dim=1)
 
 
+def scratch_copy(state: ModelState) -> ModelState:
+    """The same state with every tensor cloned: a step can be warmed up on it without touching the caches."""
+    layers = []
+    for layer in state.layers:
+        twin = copy.copy(layer)
+        for name, value in vars(layer).items():
+            if isinstance(value, torch.Tensor):
+                setattr(twin, name, value.clone())
+        layers.append(twin)
+    return ModelState(state.positions.clone(), layers)
+
+
+def set_staged(state: ModelState, t: int) -> None:
+    """What a decode / verify forward (t tokens) or a commit (t = 0) leaves in each GDN layer's Python
+    attribute, which a graph replay does not run."""
+    for layer in state.layers:
+        if isinstance(layer, GDNState):
+            layer.staged = t
+
+
+class CapturedStep:
+    """fn(state, *inputs) captured once as a device graph over `state` and static copies of `inputs`
+    (CUDA graphs: the launches of a whole step replayed at once). A call copies the new inputs in, replays,
+    restores the step's Python-side effect on `state` (GDN layers staged = t) and returns fresh outputs."""
+
+    def __init__(self, fn: Callable, state: ModelState, inputs: Sequence[torch.Tensor], staged: int) -> None:
+        self.inputs, self.state, self.staged = [x.clone() for x in inputs], state, staged
+        self.graph = DeviceGraph(state.positions.device)
+        before = [getattr(layer, "staged", 0) for layer in state.layers]
+        self.graph.warm_up(lambda: fn(scratch_copy(state), *self.inputs))  # compiles kernels, makes workspaces
+        self.outputs = self.graph.capture(lambda: fn(state, *self.inputs))
+        for layer, value in zip(state.layers, before, strict=True):
+            if isinstance(layer, GDNState):
+                layer.staged = value
+
+    def __call__(self, *inputs: torch.Tensor):
+        for buf, x in zip(self.inputs, inputs, strict=True):
+            buf.copy_(x)
+        self.graph.replay()
+        set_staged(self.state, self.staged)
+        if self.outputs is None or isinstance(self.outputs, torch.Tensor):
+            return None if self.outputs is None else self.outputs.clone()
+        return tuple(x.clone() for x in self.outputs)
+
+
+class Steps:
+    """The per-round steps of generation - target decode / verify of t tokens with its logits, commit, MTP
+    drafting and catch-up - run eagerly or, where the device supports it, each captured once as a graph."""
+
+    def __init__(self, model: Qwen35, state: ModelState, mtp_state: ModelState | None, graphs: bool) -> None:
+        self.model, self.state, self.mtp_state, self.graphs = model, state, mtp_state, graphs
+        self.captured: dict[tuple, CapturedStep] = {}
+
+    def _run(self, key: tuple, fn: Callable, state: ModelState, inputs: Sequence[torch.Tensor], staged: int):
+        if not self.graphs:
+            return fn(state, *inputs)
+        if key not in self.captured:
+            self.captured[key] = CapturedStep(fn, state, inputs, staged)
+        return self.captured[key](*inputs)
+
+    def target(self, tokens: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Decode / verify tokens [B, t]: (final hidden [B, t, hidden], logits [B, t, vocab]), staged."""
+        def fn(state, tok):
+            hidden = self.model(tok, state)
+            return hidden, self.model.logits(hidden)
+
+        return self._run(("target", tokens.shape[1]), fn, self.state, [tokens], tokens.shape[1])
+
+    def commit(self, n_new: torch.Tensor) -> None:
+        staged = next((layer.staged for layer in self.state.layers if isinstance(layer, GDNState)), 0)
+        if not self.graphs or not staged:
+            commit_accepted(self.state, n_new)
+            return
+        self._run(("commit", staged), lambda state, n: commit_accepted(state, n), self.state, [n_new], 0)
+
+    def draft(self, logits: torch.Tensor, hidden: torch.Tensor, k: int) -> torch.Tensor:
+        return self._run(("draft", k), lambda state, lg, h: draft(self.model, state, lg, h, k), self.mtp_state,
+                         [logits, hidden], 0)
+
+    def mtp_catch_up(self, emitted: torch.Tensor, hidden: torch.Tensor, start: torch.Tensor,
+                     accepted: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        def fn(state, tok, h, st, at):
+            return self.model.mtp_forward(tok, h, state, st, logits_at=at)
+
+        return self._run(("mtp", emitted.shape[1]), fn, self.mtp_state, [emitted, hidden, start, accepted], 0)
+
+
+def use_graphs(model: Qwen35, graphs: bool | None) -> bool:
+    """Capture steps as graphs: by default where the device supports it and the model has no MoE (its
+    routing picks experts on the host, which a graph cannot replay)."""
+    if graphs is None:
+        return graphs_supported(model.device) and not model.config.is_moe
+    if graphs and not graphs_supported(model.device):
+        raise NpuportError(f"graph capture is not available on {model.device}")
+    return graphs
+
+
 @torch.no_grad()
 def generate(model: Qwen35, prompts: Sequence[Sequence[int]], max_new_tokens: int, *, mtp: int = 0,
              sampling: SamplingParams | None = None, stop_tokens: Iterable[int] = (),
-             prefill_chunk: int | None = None) -> GenerationResult:
+             prefill_chunk: int | None = None, graphs: bool | None = None) -> GenerationResult:
     """Generate up to max_new_tokens for each prompt (token ids; a batch may mix lengths), with MTP
-    speculative decoding of `mtp` drafts per round (0 = plain decoding). Greedy at temperature 0."""
+    speculative decoding of `mtp` drafts per round (0 = plain decoding). Greedy at temperature 0.
+    graphs: capture each decode / verify / draft step as a device graph (default: see use_graphs)."""
     sampling = sampling or SamplingParams()
     if not 0 <= mtp <= MAX_DRAFTS:
         raise NpuportError(f"--mtp must be between 0 and {MAX_DRAFTS}, got {mtp}")
@@ -171,11 +271,13 @@ def generate(model: Qwen35, prompts: Sequence[Sequence[int]], max_new_tokens: in
     next_tok = sample(model.logits(hidden[rows, lengths - 1]), sampling, generator)
     out.add(next_tok[:, None], torch.ones_like(lengths))
 
+    graphs = use_graphs(model, graphs)
     if mtp == 0:
+        steps = Steps(model, state, None, graphs)
         while (active := out.active(device)).any():
-            hidden = model(next_tok[:, None], state)
-            commit_accepted(state, active.long())
-            next_tok = sample(model.logits(hidden[:, 0]), sampling, generator)
+            _, logits = steps.target(next_tok[:, None])
+            steps.commit(active.long())
+            next_tok = sample(logits[:, 0], sampling, generator)
             out.add(next_tok[:, None], active.long())
         return GenerationResult(out.tokens, out.reasons)
 
@@ -184,19 +286,20 @@ def generate(model: Qwen35, prompts: Sequence[Sequence[int]], max_new_tokens: in
     shifted[rows, lengths - 1] = next_tok
     mtp_logits, mtp_hidden = mtp_prefill(model, mtp_state, shifted, hidden, lengths, prefill_chunk)
     stats = AcceptanceStats.empty(batch, mtp)
+    steps = Steps(model, state, mtp_state, graphs)
     while (active := out.active(device)).any():
-        drafts = draft(model, mtp_state, mtp_logits, mtp_hidden, mtp)
+        drafts = steps.draft(mtp_logits, mtp_hidden, mtp)
         start = state.positions.clone()
-        hidden = model(torch.cat([next_tok[:, None], drafts], dim=1), state)  # verify k + 1 positions
-        accepted, next_tok = accept_drafts(model.logits(hidden), drafts, sampling, generator)
+        hidden, logits = steps.target(torch.cat([next_tok[:, None], drafts], dim=1))  # verify k + 1 positions
+        accepted, next_tok = accept_drafts(logits, drafts, sampling, generator)
         n_new = (accepted + 1) * active
-        commit_accepted(state, n_new)
+        steps.commit(n_new)
         emitted = torch.cat([drafts, next_tok[:, None]], dim=1)  # d_1..d_a, then the target's token
         emitted[rows, accepted] = next_tok
         out.add(emitted, n_new)
         stats.record(accepted, active)
         # The head catches up over the verified positions: row i pairs emitted token i with hidden i.
-        logits, head_out = model.mtp_forward(emitted, hidden, mtp_state, start, logits_at=accepted)
+        logits, head_out = steps.mtp_catch_up(emitted, hidden, start, accepted)
         commit_accepted(mtp_state, n_new)
         mtp_logits, mtp_hidden = logits[:, 0], head_out[rows, accepted]
     return GenerationResult(out.tokens, out.reasons, stats)

@@ -19,6 +19,7 @@ from npuport.kernels.causal_conv1d import causal_conv1d_fn, causal_conv1d_update
 from npuport.kernels.gated_delta_rule import chunk_gated_delta_rule, fused_recurrent_gated_delta_rule
 from npuport.kernels.gdn_gating import fused_gdn_gating
 from npuport.runtime.config import FULL_ATTENTION, ModelConfig
+from npuport.runtime.devices import graphs_supported
 from npuport.runtime.dispatch import dispatch, int8_dispatch
 from npuport.runtime.linear import Linear, QuantizedActivation, W8A8Linear
 from npuport.runtime.state import GDNState, KVCache, ModelState, new_mtp_state, new_target_state
@@ -37,6 +38,9 @@ class Step:
     cos: torch.Tensor  # [B, T, rotary_dim]
     sin: torch.Tensor
     n_valid: torch.Tensor | None  # [B] real tokens per request in a prefill; None for decode / verify
+    # Attend over whole KV caches, masked, rather than up to the furthest position written: no host sync and
+    # fixed shapes, so that a decode / verify step can be captured as a CUDA graph.
+    static_shapes: bool = False
 
 
 def rope_tables(positions: torch.Tensor, config: ModelConfig, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
@@ -100,6 +104,19 @@ def attend(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, start: tor
     return out.transpose(1, 2)
 
 
+def write_kv_static(cache: KVCache, start: torch.Tensor, k: torch.Tensor, v: torch.Tensor
+                    ) -> tuple[torch.Tensor, torch.Tensor]:
+    """KVCache.update without its host sync: writes k, v [B, T, Hkv, D] at positions start[b] + t (a decode
+    or verify step, always inside the capacity) and returns the whole caches; attend masks what lies past
+    each query."""
+    b, t = k.shape[:2]
+    pos = (start[:, None] + torch.arange(t, device=k.device)).clamp_max(cache.capacity - 1)
+    rows = torch.arange(b, device=k.device)[:, None].expand(b, t)
+    cache.k[rows, pos] = k.to(cache.k.dtype)
+    cache.v[rows, pos] = v.to(cache.v.dtype)
+    return cache.k, cache.v
+
+
 class Attention(nn.Module):
     """Gated full attention: q_proj gives [q | gate] per head, q/k RMSNorm per head, partial RoPE,
     o_proj(attention * sigmoid(gate))."""
@@ -121,7 +138,10 @@ class Attention(nn.Module):
         q = apply_rope(self.q_norm(q), step.cos, step.sin)
         k = apply_rope(self.k_norm(self.k_proj(x).view(b, t, self.n_kv_heads, self.head_dim)), step.cos, step.sin)
         v = self.v_proj(x).view(b, t, self.n_kv_heads, self.head_dim)
-        keys, values = cache.update(step.start, k, v)
+        if step.static_shapes:
+            keys, values = write_kv_static(cache, step.start, k, v)
+        else:
+            keys, values = cache.update(step.start, k, v)
         out = attend(q, keys, values, step.start).reshape(b, t, -1)
         return self.o_proj(out * torch.sigmoid(gate.reshape(b, t, -1)))
 
@@ -162,11 +182,14 @@ class GatedDeltaNet(nn.Module):
         q, k, v = mixed.split([key_width, key_width, self.n_v_heads * self.v_dim], dim=-1)
         q, k = q.reshape(b, t, self.n_k_heads, self.k_dim), k.reshape(b, t, self.n_k_heads, self.k_dim)
         v = v.reshape(b, t, self.n_v_heads, self.v_dim)
-        g, beta = fused_gdn_gating(self.A_log, self.in_proj_a(x), self.dt_bias, self.in_proj_b(x))
+        a, b_logits = self.in_proj_a(x), self.in_proj_b(x)
         if step.n_valid is None:
-            out = fused_recurrent_gated_delta_rule(q, k, v, g, beta, state.recurrent, state.read_slot)
+            # The gating is fused into the recurrent kernel: a and b go in raw.
+            out = fused_recurrent_gated_delta_rule(q, k, v, a, b_logits, state.recurrent, state.read_slot,
+                                                   A_log=self.A_log, dt_bias=self.dt_bias)
             state.staged = t
         else:
+            g, beta = fused_gdn_gating(self.A_log, a, self.dt_bias, b_logits)
             # Padding tokens get g = 0 and beta = 0: they leave the state as the last real token left it.
             real = (torch.arange(t, device=x.device)[None, :] < step.n_valid[:, None])[..., None]
             g, beta = torch.where(real, g, 0.0), torch.where(real, beta, 0.0)
@@ -300,7 +323,8 @@ class Qwen35(nn.Module):
         """The Step of T = t tokens starting at positions start [B] (n_valid: see forward)."""
         positions = start[:, None] + torch.arange(t, device=start.device)
         cos, sin = rope_tables(positions, self.config, self.dtype)
-        return Step(start.clone(), cos, sin, n_valid)
+        static = n_valid is None and graphs_supported(start.device)
+        return Step(start.clone(), cos, sin, n_valid, static_shapes=static)
 
     def forward(self, tokens: torch.Tensor, state: ModelState, n_valid: torch.Tensor | None = None,
                 hidden_states: list[torch.Tensor] | None = None) -> torch.Tensor:

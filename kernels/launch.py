@@ -1,0 +1,116 @@
+"""Where the Triton kernels meet devices: whether a tensor takes the Triton path, the grid of a persistent
+kernel, the per-backend launch options, and Triton's interpreter for kernels launched on CPU tensors.
+
+The runtime calls the references on CPU and the Triton kernels on CUDA and Ascend NPUs (triton-ascend).
+Tests launch the Triton kernels on CPU tensors, which run them through Triton's interpreter - the same as
+`TRITON_INTERPRET=1` - whatever the order in which test modules imported triton.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+from collections.abc import Iterator
+
+import torch
+
+from npuport.runtime.devices import is_cpu, is_gpu, is_npu, npu_core_count, runs_triton
+
+try:
+    import triton
+    import triton.language as tl
+except ImportError:  # CPU-only installs: the references cover everything
+    triton = None
+    tl = None
+
+# CUDA caps the first grid dimension far higher, triton-ascend at 65535: one limit for both.
+MAX_GRID = 65535
+
+
+def jit(fn):
+    """triton.jit, or the plain function where triton is not installed (it is then never launched)."""
+    return triton.jit(fn) if triton is not None else fn
+
+
+def use_triton(*tensors: torch.Tensor) -> bool:
+    """True where the Triton kernels run for these tensors: a GPU or an NPU, not float64 (the references are
+    the float64 ground truth, and Ascend has no fp64), and not while autograd records through them (training:
+    the kernels have no backward, the references do)."""
+    if triton is None or (torch.is_grad_enabled() and any(t.requires_grad for t in tensors)):
+        return False
+    return all(runs_triton(t.device) and t.dtype != torch.float64 for t in tensors)
+
+
+def persistent_grid(device: torch.device, n_tasks: int, kind: str = "vector") -> tuple[int]:
+    """Grid of a kernel that loops `for task in range(pid, n_tasks, num_programs)`: on an NPU one program
+    per core of `kind` ("cube" for tl.dot work, "vector" otherwise); on a GPU and in the interpreter one
+    program per task (they are cheap to schedule), capped at MAX_GRID."""
+    n_tasks = max(1, n_tasks)
+    if is_npu(device):
+        return (min(n_tasks, npu_core_count(device, kind)),)
+    return (min(n_tasks, MAX_GRID),)
+
+
+def launch_options(device: torch.device, num_warps: int, num_stages: int = 2, npu: dict | None = None) -> dict:
+    """Backend-specific launch options, the only place they are chosen: num_warps / num_stages on a GPU,
+    the given triton-ascend options (e.g. multibuffer) on an NPU, none for the interpreter."""
+    if is_gpu(device):
+        return {"num_warps": num_warps, "num_stages": num_stages}
+    if is_npu(device):
+        return dict(npu or {})
+    return {}
+
+
+@functools.cache
+def _interpreted(fn):
+    from triton.runtime.interpreter import InterpretedFunction
+
+    return InterpretedFunction(fn)
+
+
+@contextlib.contextmanager
+def _interpreter_fixes() -> Iterator[None]:
+    """While a kernel runs in Triton's interpreter, make it behave as on a GPU: let it call @triton.jit
+    functions (its own helpers and triton.language's, such as tl.cdiv) that were compiled for a GPU at import
+    time; give tl.dot on bf16 tiles real bf16 values (the interpreter keeps bf16 as raw uint16 bits and
+    would multiply those); round fp32 -> bf16 to nearest even, as GPUs do (the interpreter truncates)."""
+    from triton.runtime.interpreter import InterpreterBuilder, TensorHandle
+    from triton.runtime.jit import JITFunction
+
+    call, dot, cast = JITFunction.__call__, InterpreterBuilder.create_dot, InterpreterBuilder.cast_impl
+
+    def create_dot(self, a, b, d, *rest):
+        if a.dtype.scalar == tl.bfloat16:
+            a, b = self.cast_impl(a, tl.float32), self.cast_impl(b, tl.float32)
+        return dot(self, a, b, d, *rest)
+
+    def cast_impl(self, src, dst_type):
+        if src.dtype.scalar == tl.float32 and dst_type.scalar == tl.bfloat16:
+            rounded = torch.from_numpy(src.data.copy()).to(torch.bfloat16).view(torch.int16).numpy()
+            return TensorHandle(rounded.view("uint16"), dst_type.scalar)
+        return cast(self, src, dst_type)
+
+    JITFunction.__call__ = lambda self, *args, **kwargs: _interpreted(self.fn)(*args, **kwargs)
+    InterpreterBuilder.create_dot, InterpreterBuilder.cast_impl = create_dot, cast_impl
+    try:
+        yield
+    finally:
+        JITFunction.__call__, InterpreterBuilder.create_dot, InterpreterBuilder.cast_impl = call, dot, cast
+
+
+def launch(kernel, grid: tuple[int, ...], *args, **kwargs) -> None:
+    """kernel[grid](*args, **kwargs), through Triton's interpreter when the tensors are on the CPU."""
+    device = next(a.device for a in args if isinstance(a, torch.Tensor))
+    if not is_cpu(device):
+        kernel[grid](*args, **kwargs)
+        return
+    from triton.runtime.interpreter import InterpretedFunction
+
+    # Already interpreted when TRITON_INTERPRET=1 was set before triton was imported.
+    runner = kernel if isinstance(kernel, InterpretedFunction) else _interpreted(kernel.fn)
+    with _interpreter_fixes():
+        runner[grid](*args, **kwargs)
+
+
+def next_power_of_2(n: int) -> int:
+    return 1 << max(0, n - 1).bit_length()

@@ -1,0 +1,68 @@
+"""The Triton W8A8 kernels - per-token int8 quantization and the int8 GEMM with the rescale fused into its
+epilogue - against their references, run on CPU tensors through Triton's interpreter. Both are exact: the
+same int8 values and scales, the same int32 sums, the same fp32 rescale in the same order."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+pytest.importorskip("triton")
+
+from npuport.kernels.w8a8 import (  # noqa: E402
+    GPU_CANDIDATES,
+    GemmConfig,
+    int8_matmul_rescale_reference,
+    int8_matmul_rescale_triton,
+    quantize_per_token_int8_reference,
+    quantize_per_token_int8_triton,
+)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize(("m", "k"), [(1, 64), (7, 300), (33, 5000)])
+def test_quantization_kernel_is_exactly_the_reference(dtype, m, k):
+    gen = torch.Generator().manual_seed(m + k)
+    x = (3 * torch.randn(m, k, generator=gen)).to(dtype)
+    if m > 1:
+        x[1] = 0.0  # an all-zero row
+    got_q, got_scale = quantize_per_token_int8_triton(x)
+    want_q, want_scale = quantize_per_token_int8_reference(x)
+    assert got_q.dtype == torch.int8 and got_scale.shape == (m, 1)
+    assert torch.equal(got_q, want_q)
+    assert torch.equal(got_scale, want_scale)
+
+
+def test_quantization_kernel_rounds_half_to_even():
+    x = torch.tensor([[2.5, -127.0, 0.5, 1.5, -2.5, -0.5, 126.5, 3.5]])
+    got_q, _ = quantize_per_token_int8_triton(x)
+    assert got_q[0].tolist() == [2, -127, 0, 2, -2, 0, 126, 4]
+
+
+CONFIGS = [
+    None,  # what gemm_config picks
+    GemmConfig(bm=16, bn=32, bk=64),
+    GemmConfig(bm=32, bn=16, bk=32, group_m=2),  # several row tiles per group, K not a multiple of BK
+    GemmConfig(bm=16, bn=16, bk=32, group_m=1),
+]
+
+
+@pytest.mark.parametrize("config", CONFIGS)
+@pytest.mark.parametrize(("m", "n", "k"), [(1, 100, 300), (9, 48, 256), (37, 70, 96)])
+@pytest.mark.parametrize("out_dtype", [torch.float32, torch.bfloat16])
+def test_gemm_kernel_is_exactly_the_reference(config, m, n, k, out_dtype):
+    gen = torch.Generator().manual_seed(m * n + k)
+    x_q = torch.randint(-128, 128, (m, k), generator=gen, dtype=torch.int8)
+    w_q = torch.randint(-128, 128, (n, k), generator=gen, dtype=torch.int8)
+    x_scale, w_scale = torch.rand(m, 1, generator=gen) / 50, torch.rand(n, 1, generator=gen) / 50
+    got = int8_matmul_rescale_triton(x_q, x_scale, w_q, w_scale, out_dtype, config)
+    want = int8_matmul_rescale_reference(x_q, x_scale, w_q, w_scale, out_dtype)
+    assert got.dtype == out_dtype
+    assert torch.equal(got, want)
+
+
+def test_gpu_candidates_cover_every_m_and_use_16_row_tiles_for_decode():
+    limits = [limit for limit, _ in GPU_CANDIDATES]
+    assert limits == sorted(limits) and limits[-1] > 2**31
+    assert all(c.bm == 16 for c in GPU_CANDIDATES[0][1])
+    assert all(c.bm >= 16 and c.bk >= 32 for _, cands in GPU_CANDIDATES for c in cands)  # tl.dot minimums
