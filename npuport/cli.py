@@ -28,6 +28,16 @@ def main() -> None:
     """Convert Qwen3.5 checkpoints to msModelSlim-format W8A8 for Ascend NPUs, validate and package them."""
 
 
+def _report_problems(subject: Path, problems: list[str]) -> None:
+    """Print each problem as a FAIL line and exit 1 if there is any; else print OK."""
+    for p in problems:
+        click.echo(f"FAIL {p}")
+    if problems:
+        click.echo(f"{subject}: {len(problems)} problem(s)", err=True)
+        sys.exit(1)
+    click.echo(f"{subject}: OK")
+
+
 @main.command("make-tiny")
 @click.argument("out", type=click.Path(path_type=Path))
 @click.option("--arch", type=click.Choice(["dense", "moe"]), default="dense", show_default=True)
@@ -91,13 +101,7 @@ def check_cmd(artifact: Path) -> None:
     """Check ARTIFACT against the W8A8 checkpoint contract; list every violation, exit 1 if any."""
     from npuport.convert.check import check_artifact
 
-    problems = check_artifact(artifact)
-    for p in problems:
-        click.echo(f"FAIL {p}")
-    if problems:
-        click.echo(f"{artifact}: {len(problems)} problem(s)", err=True)
-        sys.exit(1)
-    click.echo(f"{artifact}: OK")
+    _report_problems(artifact, check_artifact(artifact))
 
 
 @main.command("demo")
@@ -140,13 +144,7 @@ def verify_release_cmd(release: Path) -> None:
     validation/report.json, no BF16 files; list every problem, exit 1 if any."""
     from npuport.verify_release import verify_release
 
-    problems = verify_release(release)
-    for p in problems:
-        click.echo(f"FAIL {p}")
-    if problems:
-        click.echo(f"{release}: {len(problems)} problem(s)", err=True)
-        sys.exit(1)
-    click.echo(f"{release}: OK")
+    _report_problems(release, verify_release(release))
 
 
 @main.command("generate")
