@@ -107,12 +107,16 @@ def check_cmd(artifact: Path) -> None:
 @main.command("demo")
 @click.option("--workdir", type=click.Path(path_type=Path), default=Path("npuport-demo"), show_default=True,
               help="Where the demo writes; rebuilt on every run (only if an earlier demo made it).")
-@click.option("--arch", type=click.Choice(["dense", "moe"]), default="moe", show_default=True)
-def demo_cmd(workdir: Path, arch: str) -> None:
-    """Run the whole job on a generated tiny Qwen3.5: make a source, convert it to W8A8, check it."""
+@click.option("--model", type=click.Choice(["trained", "random-dense", "random-moe"]), default="trained",
+              show_default=True, help="trained: the tiny checkpoint shipped with npuport, trained with its MTP head "
+              "on GSM8K; random-*: make-tiny weights (MTP drafts are then never accepted).")
+def demo_cmd(workdir: Path, model: str) -> None:
+    """Run the whole job on a small Qwen3.5 on CPU: convert its BF16 source to W8A8, check it, validate it
+    against the source on a few GSM8K questions (fidelity, throughput, MTP acceptance), package the release
+    and verify it."""
     from npuport.demo import run_demo
 
-    out = run_demo(workdir, arch, log=lambda m: click.echo(m))
+    out = run_demo(workdir, model, log=lambda m: click.echo(m))
     click.echo(f"demo done; everything is under {out.workdir}")
 
 

@@ -114,6 +114,7 @@ class ValidationReport:
     fidelity: Fidelity | None = None
     throughput: list[ThroughputRun] = field(default_factory=list)
     mtp: MTPAcceptance | None = None
+    mtp_reference: MTPAcceptance | None = None  # the reference's own drafts on the same prompts
     dtypes: dict[str, str] = field(default_factory=dict)
     settings: dict[str, Any] = field(default_factory=dict)  # anything else the run records (URL, batch size)
     gates: list[Gate] = field(default_factory=list)
@@ -181,6 +182,15 @@ def report_dict(report: ValidationReport) -> dict[str, Any]:
         data["throughput"] = [asdict(run) for run in report.throughput]
     if report.mtp is not None:
         data["mtp"] = asdict(report.mtp)
+    if report.mtp_reference is not None:
+        data["mtp_reference"] = asdict(report.mtp_reference)
+        if report.mtp is not None:
+            data["mtp_change"] = {
+                "mean_acceptance_length": report.mtp.mean_acceptance_length
+                - report.mtp_reference.mean_acceptance_length,
+                "per_position": [c - r for c, r in zip(report.mtp.per_position, report.mtp_reference.per_position,
+                                                       strict=False)],
+            }
     if report.gates:
         data["gates"] = [asdict(gate) for gate in report.gates]
     return data
@@ -304,14 +314,20 @@ def _throughput_section(report: ValidationReport) -> list[str]:
     return lines
 
 
-def _mtp_section(mtp: MTPAcceptance) -> list[str]:
+def _mtp_section(report: ValidationReport, mtp: MTPAcceptance) -> list[str]:
     lines = ["## MTP acceptance", "",
              f"Draft tokens per round: {mtp.num_speculative_tokens}. Mean acceptance length (accepted drafts + 1 "
              f"per round): {mtp.mean_acceptance_length:.2f}"
              + (f", over {mtp.num_rounds} rounds." if mtp.num_rounds is not None else "."), ""]
-    lines += _table(["draft position", "acceptance rate"],
-                    [[str(i + 1), f"{rate:.3f}"] for i, rate in enumerate(mtp.per_position)])
-    return lines
+    ref = report.mtp_reference
+    if ref is None:
+        return lines + _table(["draft position", "acceptance rate"],
+                              [[str(i + 1), f"{rate:.3f}"] for i, rate in enumerate(mtp.per_position)])
+    lines += [f"{report.reference_label} on the same prompts: {ref.mean_acceptance_length:.2f} "
+              f"(change {mtp.mean_acceptance_length - ref.mean_acceptance_length:+.3f}).", ""]
+    rows = [[str(i + 1), f"{c:.3f}", f"{r:.3f}", f"{c - r:+.3f}"]
+            for i, (c, r) in enumerate(zip(mtp.per_position, ref.per_position, strict=False))]
+    return lines + _table(["draft position", report.candidate_label, report.reference_label, "change"], rows)
 
 
 def _gates_section(gates: Sequence[Gate]) -> list[str]:
@@ -343,7 +359,7 @@ def render_markdown(report: ValidationReport, plots: Sequence[Path] = ()) -> str
     if report.throughput:
         lines += _throughput_section(report)
     if report.mtp is not None:
-        lines += _mtp_section(report.mtp)
+        lines += _mtp_section(report, report.mtp)
     if plots:
         lines += ["## Plots", ""] + [f"![{p.stem}]({p.name})" for p in plots] + [""]
     return "\n".join(lines)

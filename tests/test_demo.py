@@ -1,5 +1,5 @@
-"""`npuport demo` runs end to end from the command line and leaves a checked artifact and its validation
-report against the source."""
+"""`npuport demo` runs end to end from the command line on the shipped trained tiny model: a checked artifact,
+its validation report against the source with real MTP acceptance, and a release that verifies."""
 
 from __future__ import annotations
 
@@ -10,7 +10,8 @@ from click.testing import CliRunner
 
 from npuport.cli import main
 from npuport.convert.check import check_artifact
-from npuport.demo import DEMO_QUESTIONS
+from npuport.demo import DEMO_MIN_ACCEPTANCE, DEMO_QUESTIONS
+from npuport.verify_release import verify_release
 
 
 @pytest.mark.usefixtures("one_cpu_thread")
@@ -18,16 +19,22 @@ def test_demo_end_to_end(tmp_path):
     workdir = tmp_path / "demo"
     result = CliRunner().invoke(main, ["demo", "--workdir", str(workdir)])
     assert result.exit_code == 0, result.output
-    assert "npuport check" in result.output and "OK" in result.output
+    assert "npuport check" in result.output and "[5/5]" in result.output
     assert check_artifact(workdir / "artifact-w8a8") == []
     report_md = workdir / "validation" / "report.md"
     assert f"report: {report_md}" in result.output
     report = json.loads((workdir / "validation" / "report.json").read_text())
     assert report["artifact"] == str(workdir / "artifact-w8a8") and report["device"].startswith("cpu")
     assert report["gsm8k"][0]["reference"]["num_questions"] == DEMO_QUESTIONS
-    assert report["fidelity"]["num_prompts"] == DEMO_QUESTIONS and report["mtp"] is not None
-    rerun = CliRunner().invoke(main, ["demo", "--workdir", str(workdir)])
+    assert report["fidelity"]["num_prompts"] == DEMO_QUESTIONS
+    # the trained model's drafts are accepted; random weights would give a mean length of 1.0
+    assert report["mtp"]["mean_acceptance_length"] > DEMO_MIN_ACCEPTANCE
+    assert [g["passed"] for g in report["gates"]] == [True]
+    assert verify_release(workdir / "release") == []
+    rerun = CliRunner().invoke(main, ["demo", "--workdir", str(workdir), "--model", "random-moe"])
     assert rerun.exit_code == 0, rerun.output
+    report = json.loads((workdir / "validation" / "report.json").read_text())
+    assert report["mtp"]["mean_acceptance_length"] < 1.1 and "gates" not in report
 
 
 def test_demo_refuses_a_folder_it_did_not_make(tmp_path):

@@ -167,6 +167,11 @@ def test_validate_writes_the_report_the_plots_and_the_completions(validated):
     assert all(r["decode_tokens_per_s"] is None or r["decode_tokens_per_s"] > 0 for r in report["throughput"])
     assert report["mtp"]["num_speculative_tokens"] == MTP and len(report["mtp"]["per_position"]) == MTP
     assert 1.0 <= report["mtp"]["mean_acceptance_length"] <= MTP + 1
+    ref_mtp, change = report["mtp_reference"], report["mtp_change"]
+    assert ref_mtp["num_speculative_tokens"] == MTP and ref_mtp["num_rounds"] > 0
+    mtp = report["mtp"]
+    assert change["mean_acceptance_length"] == mtp["mean_acceptance_length"] - ref_mtp["mean_acceptance_length"]
+    assert change["per_position"] == [c - r for c, r in zip(mtp["per_position"], ref_mtp["per_position"], strict=True)]
     assert [g["name"] for g in report["gates"]] == ["max-accuracy-drop 1 points"]
     assert report["settings"]["protocol"] == "sglang" and report["seed"] == 1234
     assert report["versions"]["torch"] and report["device"].startswith("cpu")
