@@ -1,7 +1,7 @@
 """Train the `small` train-tiny preset (~100M parameters, dense) on the GPU, then time greedy decoding with
 MTP speculative decoding (k = 1..3) against without, at batch 1 and 8, with the acceptance measured:
 
-    python bench/mtp_decode.py --workdir /tmp/mtp --out mtp_decode.json --train-seconds 150
+    python bench/mtp_decode.py --workdir .bench/mtp --out mtp_decode.json --train-seconds 150
 
 Training runs a number of steps that fits --train-seconds, from the time per step of a short calibration
 run (its step count is recorded; `npuport train-tiny --size small --steps N` reproduces the weights).

@@ -1,7 +1,7 @@
 """Throughput of the built-in runtime on a generated checkpoint, with and without MTP, against plain
 transformers `generate` on the BF16 source, with the same timing rules (runtime/throughput.py):
 
-    python bench/throughput.py --size mid --workdir /tmp/bench --out throughput.json
+    python bench/throughput.py --size mid --workdir .bench/throughput --out throughput.json
 
 makes the checkpoint (`npuport make-tiny --size SIZE`), converts it to W8A8, then times one batch of GSM8K
 sglang prompts per batch size: prefill = a call making one token, decode = the rest of a call making
