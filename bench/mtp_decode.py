@@ -14,15 +14,14 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-import json
 import platform
 import time
-import traceback
 import warnings
 from pathlib import Path
 
 import torch
 
+from npuport.benchlog import StepRecorder
 from npuport.runtime.config import ModelConfig
 from npuport.runtime.devices import pick_device
 from npuport.runtime.fidelity import greedy_token_agreement
@@ -102,21 +101,8 @@ def main() -> None:
                     "versions": {"torch": torch.__version__}, "steps": {}, "runs": [], "acceptance": {},
                     "errors": []}
 
-    def save() -> None:
-        args.out.write_text(json.dumps(result, indent=2) + "\n")
-
-    def step(name: str, fn, *fn_args, **fn_kwargs):
-        start = time.perf_counter()
-        try:
-            value = fn(*fn_args, **fn_kwargs)
-        except Exception:
-            result["errors"].append({"step": name, "traceback": traceback.format_exc()})
-            print(f"{name}: FAILED\n{result['errors'][-1]['traceback']}", flush=True)
-            value = None
-        result["steps"][name] = round(time.perf_counter() - start, 2)
-        print(f"{name}: {result['steps'][name]} s", flush=True)
-        save()
-        return value
+    recorder = StepRecorder(result, args.out)
+    step, save = recorder.step, recorder.save
 
     args.workdir.mkdir(parents=True, exist_ok=True)
     spec = TrainSpec(size=args.size)

@@ -13,14 +13,13 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-import json
 import platform
 import time
-import traceback
 from pathlib import Path
 
 import torch
 
+from npuport.benchlog import StepRecorder
 from npuport.convert.converter import convert_qwen35
 from npuport.runtime.devices import pick_device
 from npuport.runtime.generate import generate
@@ -76,21 +75,8 @@ def main() -> None:
                     "new_tokens": args.new_tokens, "repeats": args.repeats, "python": platform.python_version(),
                     "versions": {"torch": torch.__version__}, "steps": {}, "runs": [], "errors": []}
 
-    def save() -> None:
-        args.out.write_text(json.dumps(result, indent=2) + "\n")
-
-    def step(name: str, fn, *fn_args, **fn_kwargs):
-        start = time.perf_counter()
-        try:
-            value = fn(*fn_args, **fn_kwargs)
-        except Exception:
-            result["errors"].append({"step": name, "traceback": traceback.format_exc()})
-            print(f"{name}: FAILED\n{result['errors'][-1]['traceback']}", flush=True)
-            value = None
-        result["steps"][name] = round(time.perf_counter() - start, 2)
-        print(f"{name}: {result['steps'][name]} s", flush=True)
-        save()
-        return value
+    recorder = StepRecorder(result, args.out)
+    step, save = recorder.step, recorder.save
 
     source = step("make-tiny", make_tiny, args.workdir / "source", TinySpec(arch=args.arch, size=args.size))
     artifact = step("convert", convert_qwen35, source, args.workdir / "artifact", show_progress=False,
