@@ -22,7 +22,6 @@ FUSED_SIBLINGS: tuple[tuple[str, ...], ...] = (
     ("in_proj_b", "in_proj_a"),
 )
 
-EXPERT_PROJS = ("gate_proj", "up_proj", "down_proj")
 FUSED_EXPERTS = re.compile(r"^(?P<experts>.*\.mlp\.experts)\.(?P<kind>gate_up_proj|down_proj)$")
 PER_EXPERT = re.compile(r"^(?P<experts>.*\.mlp\.experts)\.(?P<expert>\d+)\.(?P<proj>gate_proj|up_proj|down_proj)$")
 _LAYER = re.compile(r"(?:^|\.)layers\.(\d+)\.")

@@ -11,7 +11,6 @@ import json
 import mmap
 import struct
 import warnings
-from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -243,12 +242,3 @@ class ShardWriter:
         self._f.close()
         if not done:
             raise AssertionError(f"{self.path}: closed before every tensor was written")
-
-
-def iter_row_blocks(entry: TensorEntry, max_bytes: int) -> Iterator[tuple[int, int]]:
-    """(first_row, rows) blocks of `entry` along dim 0, each at most `max_bytes` (at least one row)."""
-    rows_total = entry.shape[0] if entry.shape else 1
-    row_bytes = max(1, entry.nbytes // max(rows_total, 1))
-    step = max(1, max_bytes // row_bytes)
-    for r in range(0, rows_total, step):
-        yield r, min(step, rows_total - r)
