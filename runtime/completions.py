@@ -112,7 +112,8 @@ class RuntimeCompletions:
         start = time.perf_counter()
         for first in range(0, len(prompt_ids), self.batch_size):
             result = generate(self.model, prompt_ids[first:first + self.batch_size], max_tokens, mtp=self.mtp,
-                              sampling=sampling, stop_tokens=self.stop_tokens)
+                              sampling=sampling, stop_tokens=self.stop_tokens,
+                              should_stop=(lambda toks: _holds_stop(self.decode(toks), stop)) if stop else None)
             tokens += result.tokens
             if result.stats is not None:
                 stats.append(result.stats)

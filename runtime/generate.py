@@ -69,13 +69,20 @@ class GenerationResult:
     stats: AcceptanceStats | None = None  # None without MTP
 
 
+StopCheck = Callable[[list[int]], bool]
+STOP_CHECK_EVERY = 8  # tokens between two calls of a request's stop check
+
+
 class _Outputs:
     """The tokens each request has produced, and why it finished (None while it runs)."""
 
-    def __init__(self, batch: int, max_new_tokens: int, stop_tokens: Iterable[int]) -> None:
+    def __init__(self, batch: int, max_new_tokens: int, stop_tokens: Iterable[int],
+                 should_stop: StopCheck | None = None) -> None:
         self.max_new_tokens, self.stop_tokens = max_new_tokens, frozenset(stop_tokens)
         self.tokens: list[list[int]] = [[] for _ in range(batch)]
         self.reasons: list[str | None] = [None] * batch
+        self.should_stop = should_stop
+        self._checked = [0] * batch  # how many tokens each request had at its last stop check
 
     def add(self, new: torch.Tensor, counts: torch.Tensor) -> None:
         """Append the first counts[b] tokens of new[b] ([B, n]) to unfinished request b, up to a stop token
@@ -89,6 +96,11 @@ class _Outputs:
                     self.reasons[b] = "stop"
                 elif len(self.tokens[b]) >= self.max_new_tokens:
                     self.reasons[b] = "length"
+            if self.should_stop is not None and self.reasons[b] is None \
+                    and len(self.tokens[b]) - self._checked[b] >= STOP_CHECK_EVERY:
+                self._checked[b] = len(self.tokens[b])
+                if self.should_stop(self.tokens[b]):
+                    self.reasons[b] = "stop"
 
     def active(self, device: torch.device) -> torch.Tensor:
         return torch.tensor([r is None for r in self.reasons], device=device)
@@ -248,10 +260,14 @@ def use_graphs(model: Qwen35, graphs: bool | None) -> bool:
 @torch.no_grad()
 def generate(model: Qwen35, prompts: Sequence[Sequence[int]], max_new_tokens: int, *, mtp: int = 0,
              sampling: SamplingParams | None = None, stop_tokens: Iterable[int] = (),
-             prefill_chunk: int | None = None, graphs: bool | None = None) -> GenerationResult:
+             prefill_chunk: int | None = None, graphs: bool | None = None,
+             should_stop: StopCheck | None = None) -> GenerationResult:
     """Generate up to max_new_tokens for each prompt (token ids; a batch may mix lengths), with MTP
     speculative decoding of `mtp` drafts per round (0 = plain decoding). Greedy at temperature 0.
-    graphs: capture each decode / verify / draft step as a device graph (default: see use_graphs)."""
+    graphs: capture each decode / verify / draft step as a device graph (default: see use_graphs).
+    should_stop(tokens): called every STOP_CHECK_EVERY new tokens of a request with all it has produced; True
+    ends that request ("stop"), e.g. once its text holds a stop string. The tokens it produced up to then are
+    the same as without the check (requests of a batch do not affect each other)."""
     sampling = sampling or SamplingParams()
     if not 0 <= mtp <= MAX_DRAFTS:
         raise NpuportError(f"--mtp must be between 0 and {MAX_DRAFTS}, got {mtp}")
@@ -265,7 +281,7 @@ def generate(model: Qwen35, prompts: Sequence[Sequence[int]], max_new_tokens: in
     capacity = tokens.shape[1] + max_new_tokens + mtp + 1
     generator = make_generator(sampling.seed, device)
     state = model.new_state(batch, capacity, spec_tokens=mtp)
-    out = _Outputs(len(prompts), max_new_tokens, stop_tokens)
+    out = _Outputs(len(prompts), max_new_tokens, stop_tokens, should_stop)
 
     hidden = prefill(model, state, tokens, lengths, prefill_chunk)
     next_tok = sample(model.logits(hidden[rows, lengths - 1]), sampling, generator)
