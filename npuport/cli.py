@@ -28,6 +28,14 @@ def main() -> None:
     """Convert Qwen3.5 checkpoints to msModelSlim-format W8A8 for Ascend NPUs, validate and package them."""
 
 
+# Options shared by the commands that run the model. The device names are runtime/devices.py's; they are
+# repeated here so that the command line starts without importing torch.
+device_option = click.option("--device", type=click.Choice(["npu", "cuda", "cpu"]), default=None,
+                             help="Default: npu if torch_npu imports, else cuda, else cpu.")
+dtype_option = click.option("--dtype", type=click.Choice(["bfloat16", "float16", "float32", "float64"]),
+                            default="bfloat16", show_default=True)
+
+
 def _report_problems(subject: Path, problems: list[str]) -> None:
     """Print each problem as a FAIL line and exit 1 if there is any; else print OK."""
     for p in problems:
@@ -161,10 +169,8 @@ def verify_release_cmd(release: Path) -> None:
 @click.option("--temperature", type=click.FloatRange(min=0.0), default=0.0, show_default=True, help="0 = greedy.")
 @click.option("--top-p", type=click.FloatRange(0.0, 1.0, min_open=True), default=1.0, show_default=True)
 @click.option("--seed", type=int, default=0, show_default=True)
-@click.option("--device", type=click.Choice(["npu", "cuda", "cpu"]), default=None,
-              help="Default: npu if torch_npu imports, else cuda, else cpu.")
-@click.option("--dtype", type=click.Choice(["bfloat16", "float16", "float32", "float64"]), default="bfloat16",
-              show_default=True)
+@device_option
+@dtype_option
 @click.option("--json", "as_json", is_flag=True, help="Print token ids, text and acceptance statistics as JSON.")
 def generate_cmd(model: Path, texts: tuple[str, ...], id_prompts: tuple[str, ...], max_new_tokens: int, mtp: int,
                  temperature: float, top_p: float, seed: int, device: str | None, dtype: str, as_json: bool) -> None:
@@ -214,10 +220,8 @@ from npuport.runtime.gsm8k import DEFAULT_PROTOCOL, LM_EVAL_SEED, MAX_NEW_TOKENS
               help="Seconds to wait for an endpoint answer.")
 @click.option("--retries", type=click.IntRange(min=0), default=3, show_default=True,
               help="Retries of a request that failed to connect, timed out or got HTTP 429/5xx (waits 1, 2, 4 s...).")
-@click.option("--device", type=click.Choice(["npu", "cuda", "cpu"]), default=None,
-              help="Default: npu if torch_npu imports, else cuda, else cpu.")
-@click.option("--dtype", type=click.Choice(["bfloat16", "float16", "float32", "float64"]), default="bfloat16",
-              show_default=True)
+@device_option
+@dtype_option
 @click.option("--fidelity-questions", type=click.IntRange(min=1), default=None,
               help="Fidelity on the first N questions only (default: all of them).")
 @click.option("--throughput/--no-throughput", default=True, show_default=True,
@@ -276,10 +280,8 @@ def validate_cmd(artifact: Path, gsm8k: bool, protocol: str, data: Path | None, 
               help="MTP speculative decoding with K draft tokens per round (0 = off).")
 @click.option("--max-batch-size", type=click.IntRange(min=1), default=16, show_default=True,
               help="Prompts of one request generated together.")
-@click.option("--device", type=click.Choice(["npu", "cuda", "cpu"]), default=None,
-              help="Default: npu if torch_npu imports, else cuda, else cpu.")
-@click.option("--dtype", type=click.Choice(["bfloat16", "float16", "float32", "float64"]), default="bfloat16",
-              show_default=True)
+@device_option
+@dtype_option
 @click.option("--quiet", is_flag=True, help="Do not log each request.")
 def serve_cmd(model: Path, port: int, host: str, served_model_name: str | None, mtp: int, max_batch_size: int,
               device: str | None, dtype: str, quiet: bool) -> None:
@@ -299,8 +301,7 @@ def serve_cmd(model: Path, port: int, host: str, served_model_name: str | None, 
 @click.option("--arch", type=click.Choice(["dense", "moe"]), default="dense", show_default=True)
 @click.option("--seed", type=int, default=0, show_default=True)
 @click.option("--steps", type=click.IntRange(min=1), default=None, help="Optimizer steps (default: the preset's).")
-@click.option("--device", type=click.Choice(["npu", "cuda", "cpu"]), default=None,
-              help="Default: npu if torch_npu imports, else cuda, else cpu.")
+@device_option
 @click.option("--threads", type=click.IntRange(min=1), default=2, show_default=True,
               help="CPU threads while training; the weights depend on it.")
 @click.option("--quiet", is_flag=True, help="No progress bar.")
