@@ -9,7 +9,7 @@ from pathlib import Path
 
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 
-from npuport.runtime.gsm8k import gsm8k_path
+from npuport.runtime.gsm8k import load_records, solved_example
 
 ENDOFTEXT = "<|endoftext|>"
 IM_START = "<|im_start|>"
@@ -26,8 +26,7 @@ CHAT_TEMPLATE = (
 
 def gsm8k_train_texts() -> list[str]:
     """Question + worked answer of every GSM8K train record, as plain text, in file order."""
-    with open(gsm8k_path("train"), encoding="utf-8") as f:
-        return [f"Question: {r['question']}\nAnswer: {r['answer']}" for r in map(json.loads, f)]
+    return [solved_example(r) for r in load_records(split="train")]
 
 
 @lru_cache(maxsize=4)

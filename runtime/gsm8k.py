@@ -97,9 +97,14 @@ def load_records(path: str | Path | None = None, split: str = "test") -> list[GS
 # Prompt pieces
 
 
+def solved_example(record: GSM8KRecord) -> str:
+    """`Question: <q>\\nAnswer: <solution>`: one shot of a few-shot prompt (and one record of training text)."""
+    return f"Question: {record.question}\nAnswer: {record.answer}"
+
+
 def few_shot_prompt(shots: Sequence[GSM8KRecord], question: str) -> str:
     """`Question: <q>\\nAnswer: <solution>` per shot, joined by a blank line, then `Question: <q>\\nAnswer:`."""
-    examples = "".join(f"Question: {s.question}\nAnswer: {s.answer}\n\n" for s in shots)
+    examples = "".join(solved_example(s) + "\n\n" for s in shots)
     return f"{examples}Question: {question}\nAnswer:"
 
 
