@@ -17,6 +17,7 @@ from pathlib import Path
 from tqdm import tqdm
 
 from npuport import __version__
+from npuport.checksums import sha256_file
 from npuport.convert.ascend_writer import (
     copied_files,
     planned_size,
@@ -33,7 +34,6 @@ from npuport.errors import ArtifactError, NpuportError
 
 MANIFEST_NAME = "npuport_manifest.json"
 GB = 1024**3
-_HASH_CHUNK = 16 * 1024 * 1024
 
 
 @dataclass
@@ -43,14 +43,6 @@ class ConversionResult:
     recipe: Recipe
     seconds: float
     bytes_written: int
-
-
-def sha256_file(path: Path) -> str:
-    h = hashlib.sha256()
-    with open(path, "rb") as f:
-        while chunk := f.read(_HASH_CHUNK):
-            h.update(chunk)
-    return h.hexdigest()
 
 
 def source_identity(source: SourceCheckpoint, full_sha256: bool) -> dict[str, str]:

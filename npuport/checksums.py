@@ -18,6 +18,15 @@ COPY_DEPTH = 8  # chunks the hashing thread may run ahead of the writing thread
 _SUM_LINE = re.compile(r"^(?P<digest>[0-9a-f]{64}) (?P<mode>[ *])(?P<path>.+)$")
 
 
+def sha256_file(path: Path) -> str:
+    """SHA-256 of a file's bytes, read in chunks."""
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        while chunk := f.read(COPY_CHUNK):
+            h.update(chunk)
+    return h.hexdigest()
+
+
 def copy_with_sha256(src: Path, dst: Path, chunk: int = COPY_CHUNK, depth: int = COPY_DEPTH) -> str:
     """Copy `src` to a new file `dst` and return the SHA-256 of the bytes copied, in one pass over `src`.
 

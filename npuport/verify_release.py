@@ -5,9 +5,9 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from npuport.checksums import SUMS_NAME, parse_sums
+from npuport.checksums import SUMS_NAME, parse_sums, sha256_file
 from npuport.convert.check import check_artifact
-from npuport.convert.converter import MANIFEST_NAME, sha256_file
+from npuport.convert.converter import MANIFEST_NAME
 from npuport.errors import NpuportError
 from npuport.model_card import FORCED_MARK, read_front_matter
 from npuport.release import (

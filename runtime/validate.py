@@ -14,8 +14,7 @@ from typing import Any
 
 import torch
 
-from npuport.checksums import format_sums
-from npuport.convert.converter import sha256_file
+from npuport.checksums import format_sums, sha256_file
 from npuport.errors import NpuportError
 from npuport.runtime.completions import RuntimeBatch, RuntimeCompletions
 from npuport.runtime.devices import pick_device
