@@ -1,5 +1,5 @@
-"""The gated delta rule of a GatedDeltaNet layer: chunked prefill and a recurrent step that keeps the state
-after every token (for speculative verify).
+"""The gated delta rule of a GatedDeltaNet layer: chunked prefill and a recurrent step for decode and for
+speculative verify, which keeps every token's state update so that any accepted prefix can be committed.
 
 Shapes: q, k [B, T, H, K]; v [B, T, HV, V]; g (log decay), beta [B, T, HV]; value head j reads key head
 j // (HV // H). The recurrent state of one value head is S [K, V] (keys along rows, values along columns),
@@ -8,6 +8,12 @@ used everywhere: prefill, chunked prefill, verify and commit. Per token, with q,
 q scaled by K^-0.5:
 
     S = exp(g_t) * S;  u = beta_t * (v_t - S^T k_t);  S = S + k_t u^T;  o_t = S^T q_t
+
+so the state after token t is S_t = exp(g_t) S_{t-1} + k_t u_t^T: k_t, g_t and u_t (K + 1 + V numbers) hold it
+as well as the K x V of S_t itself. A verify step records them per token (VerifyLog) and leaves the state at
+the step's start; the next step first replays the entries its request accepted - the same operations on the
+same fp32 values, so the same state as if it had been kept - and goes on from there. The state is read and
+written once per step, as in a plain decode step, however many tokens were verified.
 """
 
 from __future__ import annotations
@@ -49,27 +55,87 @@ def chunk_gated_delta_rule(
     return chunk_gated_delta_rule_reference(q, k, v, g, beta, initial_state, use_qk_l2norm, chunk_size)
 
 
+@dataclass
+class VerifyLog:
+    """The per-token state updates of the last verify step, for up to S tokens per request (QWEN35.md: "the
+    state after each of the k + 1 tokens"): the state after token t is
+    S_t = exp(log_decay_t) S_{t-1} + keys_t writes_t^T, from the state the step started at.
+
+    keys [2, B, S, H, K] (unit-norm), log_decay [2, B, S, HV], writes [2, B, S, HV, V], all fp32 (float64 for
+    float64 states). Two halves: a step reads the entries of half `side` [1] (long) and writes its own into
+    the other, so no kernel program overwrites an entry that another has still to read; `keep` flips it.
+    pending [B] (long): how many of the recorded entries request b keeps; the next step replays those first.
+    """
+
+    keys: torch.Tensor
+    log_decay: torch.Tensor
+    writes: torch.Tensor
+    side: torch.Tensor
+    pending: torch.Tensor
+
+    @classmethod
+    def empty(cls, batch: int, slots: int, key_heads: int, value_heads: int, k_dim: int, v_dim: int,
+              dtype: torch.dtype, device: torch.device) -> VerifyLog:
+        def zeros(*shape):
+            return torch.zeros(2, batch, slots, *shape, dtype=dtype, device=device)
+
+        return cls(zeros(key_heads, k_dim), zeros(value_heads), zeros(value_heads, v_dim),
+                   torch.zeros(1, dtype=torch.long, device=device), torch.zeros(batch, dtype=torch.long, device=device))
+
+    @property
+    def slots(self) -> int:
+        return self.keys.shape[2]
+
+    def keep(self, n: torch.Tensor) -> None:
+        """After a verify step: request b keeps its first n[b] tokens (0..S); their entries become pending."""
+        self.pending.copy_(n)
+        self.side.bitwise_xor_(1)
+
+    def clear(self) -> None:
+        """Nothing pending: the state already is the committed one (after a prefill)."""
+        self.pending.zero_()
+
+    def clone(self) -> VerifyLog:
+        return VerifyLog(*(x.clone() for x in (self.keys, self.log_decay, self.writes, self.side, self.pending)))
+
+
 def fused_recurrent_gated_delta_rule(
     q: torch.Tensor,
     k: torch.Tensor,
     v: torch.Tensor,
     g: torch.Tensor,
     beta: torch.Tensor,
-    states: torch.Tensor,
-    read_slot: torch.Tensor,
+    state: torch.Tensor,
+    log: VerifyLog | None = None,
     use_qk_l2norm: bool = True,
     A_log: torch.Tensor | None = None,
     dt_bias: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """Decode / verify of T tokens. states [B, S, HV, K, V] fp32 (S >= T slots): starts from
-    states[b, read_slot[b]] and writes the state after token t into states[b, t]. Returns o [B, T, HV, V].
-    With A_log and dt_bias [HV] given, g and beta are the raw in_proj_a / in_proj_b outputs [B, T, HV] and
-    the gating (gdn_gating.fused_gdn_gating) is computed inside."""
+    """Decode / verify of T tokens over state [B, HV, K, V] fp32, updated in place. Returns o [B, T, HV, V].
+
+    Without a log (decode) the state after the last token is stored. With one (verify, T <= log.slots) the
+    pending entries of the previous step are replayed into the state first, which is stored, and the T
+    tokens' updates are recorded in the log instead (VerifyLog). With A_log and dt_bias [HV] given, g and
+    beta are the raw in_proj_a / in_proj_b outputs [B, T, HV] and the gating (gdn_gating.fused_gdn_gating)
+    is computed inside."""
     if use_triton(q, k, v):
-        return fused_recurrent_gated_delta_rule_triton(q, k, v, g, beta, states, read_slot, use_qk_l2norm,
-                                                       A_log, dt_bias)
-    return fused_recurrent_gated_delta_rule_reference(q, k, v, g, beta, states, read_slot, use_qk_l2norm,
-                                                      A_log, dt_bias)
+        return fused_recurrent_gated_delta_rule_triton(q, k, v, g, beta, state, log, use_qk_l2norm, A_log, dt_bias)
+    return fused_recurrent_gated_delta_rule_reference(q, k, v, g, beta, state, log, use_qk_l2norm, A_log, dt_bias)
+
+
+def replay_pending(state: torch.Tensor, log: VerifyLog) -> torch.Tensor:
+    """state [B, HV, K, V] with each request's pending log entries applied (a new tensor): the committed
+    state when a verify step's tokens were kept."""
+    side = int(log.side)
+    group = log.writes.shape[3] // log.keys.shape[3]
+    out = state.clone()
+    for j in range(int(log.pending.max()) if log.pending.numel() else 0):
+        live = (log.pending > j).to(out.dtype)[:, None, None, None]
+        keys = log.keys[side, :, j].repeat_interleave(group, dim=1)  # [B, HV, K]
+        stepped = out * log.log_decay[side, :, j].exp()[..., None, None]
+        stepped = stepped + keys[..., :, None] * log.writes[side, :, j, :, None, :]
+        out = torch.where(live > 0, stepped, out)
+    return out
 
 
 def l2norm(x: torch.Tensor) -> torch.Tensor:
@@ -133,8 +199,8 @@ def fused_recurrent_gated_delta_rule_reference(
     v: torch.Tensor,
     g: torch.Tensor,
     beta: torch.Tensor,
-    states: torch.Tensor,
-    read_slot: torch.Tensor,
+    state: torch.Tensor,
+    log: VerifyLog | None = None,
     use_qk_l2norm: bool = True,
     A_log: torch.Tensor | None = None,
     dt_bias: torch.Tensor | None = None,
@@ -142,23 +208,38 @@ def fused_recurrent_gated_delta_rule_reference(
     if A_log is not None:
         g, beta = fused_gdn_gating_reference(A_log, g, dt_bias, beta)
     qh, kh, vh, gh, bh = _prepare(q, k, v, g, beta, use_qk_l2norm)
-    batch = torch.arange(states.shape[0], device=states.device)
-    state = states[batch, read_slot].to(vh.dtype)  # [B, HV, K, V], a copy: the slots are written below
+    tokens = vh.shape[2]
+    if log is not None:
+        _check_log_room(log, tokens)
+        state.copy_(replay_pending(state, log))
+        write = 1 - int(log.side)
+        log.keys[write, :, :tokens] = kh[:, :: v.shape[2] // k.shape[2]].transpose(1, 2)
+        log.log_decay[write, :, :tokens] = gh.transpose(1, 2)
+    s = state.to(vh.dtype, copy=True)  # [B, HV, K, V]
     out = torch.empty_like(vh)
-    for t in range(vh.shape[2]):
-        state = state * gh[:, :, t].exp()[..., None, None]
-        predicted = torch.einsum("bhkv,bhk->bhv", state, kh[:, :, t])
+    for t in range(tokens):
+        s = s * gh[:, :, t].exp()[..., None, None]
+        predicted = torch.einsum("bhkv,bhk->bhv", s, kh[:, :, t])
         u = bh[:, :, t, None] * (vh[:, :, t] - predicted)
-        state = state + kh[:, :, t, :, None] * u[:, :, None, :]
-        out[:, :, t] = torch.einsum("bhkv,bhk->bhv", state, qh[:, :, t])
-        states[:, t] = state
+        s = s + kh[:, :, t, :, None] * u[:, :, None, :]
+        out[:, :, t] = torch.einsum("bhkv,bhk->bhv", s, qh[:, :, t])
+        if log is not None:
+            log.writes[write, :, t] = u
+    if log is None:
+        state.copy_(s)
     return out.transpose(1, 2).to(v.dtype)
+
+
+def _check_log_room(log: VerifyLog, tokens: int) -> None:
+    if tokens > log.slots:
+        raise ValueError(f"a verify step of {tokens} tokens needs {tokens} log slots, the log has {log.slots}")
 
 
 # ---------------------------------------------------------------------------------------------------------
 # Triton. One program owns the state tile S[:, v0:v0+BV] of one (request, value head) - keys along rows,
-# values along columns, as in the references - and never shares it, so reading a slot and writing slots in
-# place needs no synchronisation.
+# values along columns, as in the references - and never shares it, so reading and writing it in place needs
+# no synchronisation; the log entries that programs share (keys, decays) are read from one half of the log
+# and written to the other.
 
 
 @jit
@@ -169,13 +250,15 @@ def _unit_rows(x, L2NORM: tl.constexpr):
     return x
 
 
-# NPU budget (per program): S [BK, BV] fp32 = 128 x 32 x 4 B = 16 KiB, plus two products of the same size
-# and vectors: 48 KiB, under the ~70 KiB that multi-buffering leaves.
+# NPU budget (per program): S [BK, BV] fp32 = 128 x 16 x 4 B = 8 KiB (16 KiB at BV = 32), plus two products of
+# the same size and vectors: under 48 KiB, below the ~70 KiB that multi-buffering leaves.
 @jit
-def _recurrent_kernel(q, k, v, g, beta, A_log, dt_bias, states, read_slot, out, T, HV, GROUP, n_tasks, scale,
-                      sq_b, sq_t, sq_h, sk_b, sk_t, sk_h, sv_b, sv_t, sv_h, sg_b, sg_t, ss_b, ss_slot, ss_h,
-                      so_b, so_t, so_h, K: tl.constexpr, V: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
-                      L2NORM: tl.constexpr, GATING: tl.constexpr):
+def _recurrent_kernel(q, k, v, g, beta, A_log, dt_bias, state, log_keys, log_decay, log_writes, log_side, pending,
+                      out, B, T, S, H, HV, GROUP, n_tasks, scale, sq_b, sq_t, sq_h, sk_b, sk_t, sk_h, sv_b, sv_t, sv_h,
+                      sg_b, sg_t, so_b, so_t, so_h, K: tl.constexpr, V: tl.constexpr, BK: tl.constexpr,
+                      BV: tl.constexpr, L2NORM: tl.constexpr, GATING: tl.constexpr, LOG: tl.constexpr):
+    # state [B, HV, K, V] and the log's keys [2, B, S, H, K], log_decay [2, B, S, HV], writes [2, B, S, HV, V]
+    # are contiguous; entry (half, b, t) of the log starts at row (half * B + b) * S + t.
     n_v = (V + BV - 1) // BV
     keys = tl.arange(0, BK)
     key_ok = keys < K
@@ -187,8 +270,21 @@ def _recurrent_kernel(q, k, v, g, beta, A_log, dt_bias, states, read_slot, out, 
         val_ok = vals < V
         tile = keys[:, None] * V + vals[None, :]
         tile_ok = key_ok[:, None] & val_ok[None, :]
-        slot = tl.load(read_slot + b).to(tl.int64)
-        s = tl.load(states + b * ss_b + slot * ss_slot + head * ss_h + tile, mask=tile_ok, other=0.0)
+        state_at = state + (b * HV + head) * K * V + tile
+        s = tl.load(state_at, mask=tile_ok, other=0.0)
+        if LOG:
+            side = tl.load(log_side).to(tl.int64)
+            read_row = (side * B + b) * S
+            write_row = ((1 - side) * B + b) * S
+            n_pending = tl.load(pending + b)
+            for j in range(n_pending):  # replay the accepted tokens of the last step
+                row = read_row + j
+                k_j = tl.load(log_keys + (row * H + key_head) * K + keys, mask=key_ok, other=0.0)
+                u_j = tl.load(log_writes + (row * HV + head) * V + vals, mask=val_ok, other=0.0)
+                s = s * tl.exp(tl.load(log_decay + row * HV + head))
+                s = s + k_j[:, None] * u_j[None, :]
+            if n_pending > 0:
+                tl.store(state_at, s, mask=tile_ok)
         if GATING:
             neg_rate = -tl.exp(tl.load(A_log + head).to(tl.float32))
             bias = tl.load(dt_bias + head).to(tl.float32)
@@ -210,7 +306,15 @@ def _recurrent_kernel(q, k, v, g, beta, A_log, dt_bias, states, read_slot, out, 
             s = s + k_t[:, None] * u[None, :]
             o_t = tl.sum(s * q_t[:, None], 0)
             tl.store(out + b * so_b + t * so_t + head * so_h + vals, o_t.to(out.dtype.element_ty), mask=val_ok)
-            tl.store(states + b * ss_b + t * ss_slot + head * ss_h + tile, s, mask=tile_ok)
+            if LOG:
+                row = write_row + t
+                tl.store(log_writes + (row * HV + head) * V + vals, u, mask=val_ok)
+                if task % n_v == 0:  # one program per (request, value head) records the shared entries
+                    tl.store(log_decay + row * HV + head, g_t)
+                    if head % GROUP == 0:
+                        tl.store(log_keys + (row * H + key_head) * K + keys, k_t, mask=key_ok)
+        if not LOG:
+            tl.store(state_at, s, mask=tile_ok)
 
 
 @dataclass(frozen=True)
@@ -236,8 +340,8 @@ def fused_recurrent_gated_delta_rule_triton(
     v: torch.Tensor,
     g: torch.Tensor,
     beta: torch.Tensor,
-    states: torch.Tensor,
-    read_slot: torch.Tensor,
+    state: torch.Tensor,
+    log: VerifyLog | None = None,
     use_qk_l2norm: bool = True,
     A_log: torch.Tensor | None = None,
     dt_bias: torch.Tensor | None = None,
@@ -247,22 +351,29 @@ def fused_recurrent_gated_delta_rule_triton(
     interpreter)."""
     b, t, h, kd = q.shape
     hv, vd = v.shape[2], v.shape[3]
-    if t > states.shape[1]:
-        raise ValueError(f"{t} tokens need {t} state slots, the states have {states.shape[1]}")
-    if states.dtype != torch.float32 or states.stride(-1) != 1 or states.stride(-2) != vd:
-        raise ValueError("the recurrent states must be fp32 with contiguous [K, V] tiles")
+    if state.dtype != torch.float32 or not state.is_contiguous() or state.shape != (b, hv, kd, vd):
+        raise ValueError(f"the recurrent state must be a contiguous fp32 [{b}, {hv}, {kd}, {vd}] tensor, got "
+                         f"{state.dtype} {tuple(state.shape)}")
     if q.stride(-1) != 1 or k.stride(-1) != 1 or v.stride(-1) != 1:
         raise ValueError("q, k, v need a contiguous last dimension")
+    slots = 1
+    if log is not None:
+        _check_log_room(log, t)
+        slots = log.slots
+        if log.keys.shape[1:] != (b, slots, h, kd) or log.writes.shape[1:] != (b, slots, hv, vd) or not all(
+                x.is_contiguous() and x.dtype == torch.float32 for x in (log.keys, log.log_decay, log.writes)):
+            raise ValueError("the verify log does not match the inputs (VerifyLog.empty makes one)")
     g, beta = g.contiguous(), beta.contiguous()
     out = torch.empty(b, t, hv, vd, dtype=v.dtype, device=v.device)
     cfg = config or recurrent_config(b * hv, t)
     bv = min(cfg.bv, next_power_of_2(vd))
     n_tasks = b * hv * -(-vd // bv)
-    launch(_recurrent_kernel, persistent_grid(v.device, n_tasks), q, k, v, g, beta, A_log, dt_bias, states,
-           read_slot, out, t, hv, hv // h, n_tasks, kd**-0.5, q.stride(0), q.stride(1), q.stride(2), k.stride(0),
-           k.stride(1), k.stride(2), v.stride(0), v.stride(1), v.stride(2), g.stride(0), g.stride(1),
-           states.stride(0), states.stride(1), states.stride(2), out.stride(0), out.stride(1), out.stride(2),
-           K=kd, V=vd, BK=max(16, next_power_of_2(kd)), BV=bv, L2NORM=use_qk_l2norm, GATING=A_log is not None,
+    entries = (None,) * 5 if log is None else (log.keys, log.log_decay, log.writes, log.side, log.pending)
+    launch(_recurrent_kernel, persistent_grid(v.device, n_tasks), q, k, v, g, beta, A_log, dt_bias, state, *entries,
+           out, b, t, slots, h, hv, hv // h, n_tasks, kd**-0.5, q.stride(0), q.stride(1), q.stride(2), k.stride(0),
+           k.stride(1), k.stride(2), v.stride(0), v.stride(1), v.stride(2), g.stride(0), g.stride(1), out.stride(0),
+           out.stride(1), out.stride(2), K=kd, V=vd, BK=max(16, next_power_of_2(kd)), BV=bv, L2NORM=use_qk_l2norm,
+           GATING=A_log is not None, LOG=log is not None,
            **launch_options(v.device, num_warps=cfg.num_warps, num_stages=cfg.num_stages))
     return out
 

@@ -11,6 +11,7 @@ from dataclasses import dataclass
 import torch
 
 from npuport.errors import NpuportError
+from npuport.kernels.gated_delta_rule import VerifyLog
 from npuport.runtime.devices import DeviceGraph, graphs_supported
 from npuport.runtime.model import Qwen35
 from npuport.runtime.sampling import SamplingParams, accept_drafts, make_generator, sample
@@ -166,7 +167,7 @@ def scratch_copy(state: ModelState) -> ModelState:
     for layer in state.layers:
         twin = copy.copy(layer)
         for name, value in vars(layer).items():
-            if isinstance(value, torch.Tensor):
+            if isinstance(value, torch.Tensor | VerifyLog):
                 setattr(twin, name, value.clone())
         layers.append(twin)
     return ModelState(state.positions.clone(), layers)

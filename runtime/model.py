@@ -185,7 +185,7 @@ class GatedDeltaNet(nn.Module):
         a, b_logits = self.in_proj_a(x), self.in_proj_b(x)
         if step.n_valid is None:
             # The gating is fused into the recurrent kernel: a and b go in raw.
-            out = fused_recurrent_gated_delta_rule(q, k, v, a, b_logits, state.recurrent, state.read_slot,
+            out = fused_recurrent_gated_delta_rule(q, k, v, a, b_logits, state.recurrent, state.log,
                                                    A_log=self.A_log, dt_bias=self.dt_bias)
             state.staged = t
         else:

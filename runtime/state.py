@@ -1,6 +1,6 @@
 """Per-request inference state: static KV caches of the full-attention layers (target and MTP), the GDN
-recurrent states with k + 1 verify slots and conv windows of (W - 1) + k columns, and `commit_accepted`,
-which keeps what a verify step accepted.
+recurrent states with a verify log of k + 1 token updates and conv windows of (W - 1) + k columns, and
+`commit_accepted`, which keeps what a verify step accepted.
 
 A forward writes the tokens it is given at positions `state.positions + t`; every forward is followed by
 `commit_accepted(state, n_new)`, which advances each request by the tokens it keeps.
@@ -12,6 +12,7 @@ from dataclasses import dataclass
 
 import torch
 
+from npuport.kernels.gated_delta_rule import VerifyLog, replay_pending
 from npuport.kernels.gdn_gating import state_dtype
 from npuport.runtime.config import FULL_ATTENTION, ModelConfig
 
@@ -45,9 +46,10 @@ class KVCache:
 class GDNState:
     """One GatedDeltaNet layer's state.
 
-    recurrent [B, k + 1, HV, K, V] fp32: slots of states S [K, V] (see kernels/gated_delta_rule.py);
-    read_slot [B] says which slot holds each request's current state. A verify of T <= k + 1 tokens writes
-    the state after token t into slot t; committing n tokens makes slot n - 1 current, no copy.
+    recurrent [B, HV, K, V] fp32: each request's state S [K, V] (see kernels/gated_delta_rule.py).
+    log: with k > 0 drafts, the VerifyLog of the last verify step (k + 1 slots): a verify step leaves
+    `recurrent` at its start and records each token's update; committing n tokens marks the first n entries
+    pending, and the next step replays them before its own tokens - no state is copied or rolled back.
     conv [B, conv_dim, (W - 1) + k]: the last inputs of the conv, newest last; a verify appends its T
     inputs and committing n of them shifts the window right by T - n, so the W - 1 newest columns end at
     the last kept input.
@@ -55,31 +57,35 @@ class GDNState:
 
     def __init__(self, batch: int, slots: int, config: ModelConfig, dtype: torch.dtype, device: torch.device) -> None:
         hv, kd, vd = config.linear_num_value_heads, config.linear_key_head_dim, config.linear_value_head_dim
-        self.recurrent = torch.zeros(batch, slots, hv, kd, vd, dtype=state_dtype(dtype), device=device)
-        self.read_slot = torch.zeros(batch, dtype=torch.long, device=device)
+        self.recurrent = torch.zeros(batch, hv, kd, vd, dtype=state_dtype(dtype), device=device)
+        self.log = None if slots == 1 else VerifyLog.empty(batch, slots, config.linear_num_key_heads, hv, kd, vd,
+                                                           state_dtype(dtype), device)
         width = config.linear_conv_kernel_dim - 1 + slots - 1
         self.conv = torch.zeros(batch, config.conv_dim, width, dtype=dtype, device=device)
         self.staged = 0  # tokens of a verify step awaiting commit
 
     @property
     def slots(self) -> int:
-        return self.recurrent.shape[1]
+        """The most tokens one decode / verify step may take."""
+        return 1 if self.log is None else self.log.slots
 
     def current(self) -> torch.Tensor:
-        """Each request's current state, [B, HV, K, V]."""
-        return self.recurrent[torch.arange(self.recurrent.shape[0], device=self.read_slot.device), self.read_slot]
+        """Each request's committed state, [B, HV, K, V] (a new tensor when entries are pending)."""
+        return self.recurrent if self.log is None else replay_pending(self.recurrent, self.log)
 
     def set_current(self, state: torch.Tensor) -> None:
-        """Store a committed state [B, HV, K, V] (after a prefill) in slot 0."""
-        self.recurrent[:, 0] = state
-        self.read_slot.zero_()
+        """Store committed states [B, HV, K, V] (after a prefill)."""
+        self.recurrent.copy_(state)
+        if self.log is not None:
+            self.log.clear()
 
     def commit(self, n_new: torch.Tensor) -> None:
         if not self.staged:
             return
-        # A request that keeps nothing (it has finished) gets slot 0: its state is no longer used.
+        if self.log is not None:
+            self.log.keep(n_new.clamp(0, self.staged))
+        # A request that keeps nothing (it has finished) shifts its window as if it kept one token: unused.
         keep = n_new.clamp(1, self.staged)
-        self.read_slot.copy_(keep - 1)
         width = self.conv.shape[-1]
         cols = (torch.arange(width, device=keep.device)[None, :] - (self.staged - keep)[:, None]).clamp_min(0)
         self.conv.copy_(self.conv.gather(-1, cols[:, None, :].expand(-1, self.conv.shape[1], -1)))
@@ -120,7 +126,7 @@ def new_mtp_state(config: ModelConfig, batch: int, capacity: int, dtype: torch.d
 
 def commit_accepted(state: ModelState, n_new: torch.Tensor) -> None:
     """Keep the first n_new[b] tokens of the last forward for request b (0 for a finished request):
-    KV length p -> p + n_new, GDN state slot n_new - 1, conv window rolled back over the rest."""
+    KV length p -> p + n_new, GDN log entries 0..n_new - 1 pending, conv window rolled back over the rest."""
     state.positions += n_new
     for layer in state.layers:
         if isinstance(layer, GDNState):

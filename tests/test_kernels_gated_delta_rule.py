@@ -14,10 +14,12 @@ import torch
 pytest.importorskip("triton")
 
 from npuport.kernels.gated_delta_rule import (  # noqa: E402
+    VerifyLog,
     chunk_gated_delta_rule_reference,
     chunk_gated_delta_rule_triton,
     fused_recurrent_gated_delta_rule_reference,
     fused_recurrent_gated_delta_rule_triton,
+    replay_pending,
 )
 
 
@@ -41,33 +43,106 @@ def rel_err(got, want):
     return ((got.double() - want.double()).norm() / want.double().norm()).item()
 
 
-@pytest.mark.parametrize(("t", "slots", "h", "hv", "kd", "vd"), [
-    (1, 1, 2, 4, 16, 16), (1, 4, 2, 6, 16, 32), (3, 4, 1, 2, 32, 16), (4, 4, 2, 4, 16, 16), (5, 5, 3, 3, 8, 8),
+def prefix(inputs, start, stop):
+    """The tokens start..stop - 1 of q, k, v, g, beta."""
+    return [x[:, start:stop] for x in inputs]
+
+
+def new_log(b, slots, h, hv, kd, vd):
+    return VerifyLog.empty(b, slots, h, hv, kd, vd, torch.float32, torch.device("cpu"))
+
+
+@pytest.mark.parametrize(("t", "h", "hv", "kd", "vd"), [
+    (1, 2, 4, 16, 16), (1, 2, 6, 16, 32), (3, 1, 2, 32, 16), (5, 3, 3, 8, 8),
 ])
-def test_recurrent_kernel_writes_every_slot_like_the_reference(t, slots, h, hv, kd, vd):
+def test_decode_kernel_stores_the_state_after_the_last_token(t, h, hv, kd, vd):
     q, k, v, g, beta, gen = make_inputs(t * 7 + hv, 3, t, h, hv, kd, vd, strided=True)
-    states = torch.randn(3, slots, hv, kd, vd, generator=gen)
-    read_slot = torch.tensor([slots - 1, 0, min(1, slots - 1)])
-    got_states, want_states = states.clone(), states.clone()
-    out = fused_recurrent_gated_delta_rule_triton(q, k, v, g, beta, got_states, read_slot)
-    want = fused_recurrent_gated_delta_rule_reference(q, k, v, g, beta, want_states, read_slot)
+    s0 = torch.randn(3, hv, kd, vd, generator=gen)
+    got_state, want_state = s0.clone(), s0.clone()
+    out = fused_recurrent_gated_delta_rule_triton(q, k, v, g, beta, got_state)
+    want = fused_recurrent_gated_delta_rule_reference(q, k, v, g, beta, want_state)
     torch.testing.assert_close(out, want, rtol=1e-5, atol=1e-5)
-    torch.testing.assert_close(got_states, want_states, rtol=1e-5, atol=1e-5)
-    assert torch.equal(got_states[:, t:], states[:, t:])  # slots past T are left alone
+    torch.testing.assert_close(got_state, want_state, rtol=1e-5, atol=1e-5)
+    assert (want_state - s0).abs().max() > 1e-2
+
+
+@pytest.mark.parametrize(("t", "h", "hv", "kd", "vd"), [(4, 2, 4, 16, 32), (3, 1, 3, 8, 16), (1, 2, 2, 16, 16)])
+def test_verify_log_holds_the_state_after_every_token(t, h, hv, kd, vd):
+    """A verify step leaves the state at its start; replaying its first a log entries gives the state that
+    decoding tokens 0..a - 1 stores, for every a (value heads split over several programs: vd > 16)."""
+    *inputs, gen = make_inputs(t + hv, 3, t, h, hv, kd, vd, strided=True)
+    s0 = torch.randn(3, hv, kd, vd, generator=gen)
+    state, log = s0.clone(), new_log(3, 4, h, hv, kd, vd)
+    out = fused_recurrent_gated_delta_rule_triton(*inputs, state, log)
+    assert torch.equal(state, s0)
+    want_out = fused_recurrent_gated_delta_rule_reference(*inputs, s0.clone())
+    torch.testing.assert_close(out, want_out, rtol=1e-5, atol=1e-5)
+    log.keep(torch.zeros(3, dtype=torch.long))
+    for a in range(t + 1):
+        log.pending.fill_(a)
+        want = s0.clone()
+        fused_recurrent_gated_delta_rule_reference(*prefix(inputs, 0, a), want)
+        torch.testing.assert_close(replay_pending(state, log), want, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("gating", [False, True])
+def test_verify_steps_commit_what_each_request_accepted(gating):
+    """Three verify steps of 4 tokens; each request keeps a different prefix of every step. The outputs of
+    each step, and the state at the end, are those of decoding only the kept tokens - the Triton kernel
+    replays the pending entries itself, and records the next step's into the log's other half while other
+    programs of the same key head still read the first."""
+    b, h, hv, kd, vd, t = 3, 2, 4, 16, 32, 4
+    *inputs, gen = make_inputs(11, b, 3 * t, h, hv, kd, vd)
+    extra = {}
+    if gating:
+        inputs[3], inputs[4] = 8 * torch.randn(b, 3 * t, hv, generator=gen), torch.randn(b, 3 * t, hv, generator=gen)
+        extra = {"A_log": torch.randn(hv, generator=gen), "dt_bias": torch.randn(hv, generator=gen)}
+    kept = torch.tensor([[2, 4, 0], [1, 1, 3], [4, 2, 1]])  # [step, request]
+    s0 = torch.randn(b, hv, kd, vd, generator=gen)
+    state, log = s0.clone(), new_log(b, t, h, hv, kd, vd)
+    for step in range(3):
+        out = fused_recurrent_gated_delta_rule_triton(*prefix(inputs, step * t, step * t + t), state, log, **extra)
+        log.keep(kept[step])
+        for r in range(b):
+            # request r's tokens so far: the kept ones of earlier steps, then this step's
+            tokens = [i * t + j for i in range(step) for j in range(int(kept[i, r]))]
+            tokens += range(step * t, step * t + t)
+            want = fused_recurrent_gated_delta_rule_reference(*(x[r : r + 1, tokens] for x in inputs),
+                                                              s0[r : r + 1].clone(), **extra)
+            torch.testing.assert_close(out[r], want[0, -t:], rtol=1e-4, atol=1e-4)
+    for r in range(b):
+        tokens = [i * t + j for i in range(3) for j in range(int(kept[i, r]))]
+        want = s0[r : r + 1].clone()
+        fused_recurrent_gated_delta_rule_reference(*(x[r : r + 1, tokens] for x in inputs), want, **extra)
+        torch.testing.assert_close(replay_pending(state, log)[r : r + 1], want, rtol=1e-4, atol=1e-4)
+
+
+def test_the_reference_keeps_the_same_log_as_the_kernel():
+    """The runtime runs the reference on CPU and the kernel elsewhere: one log format for both."""
+    *inputs, gen = make_inputs(4, 2, 3, 2, 4, 16, 16)
+    s0 = torch.randn(2, 4, 16, 16, generator=gen)
+    logs = [new_log(2, 4, 2, 4, 16, 16) for _ in range(2)]
+    for log in logs:
+        log.pending.fill_(0)
+    states = [s0.clone(), s0.clone()]
+    fused_recurrent_gated_delta_rule_triton(*inputs, states[0], logs[0])
+    fused_recurrent_gated_delta_rule_reference(*inputs, states[1], logs[1])
+    for name in ("keys", "log_decay", "writes"):
+        torch.testing.assert_close(getattr(logs[0], name), getattr(logs[1], name), rtol=1e-5, atol=1e-5, msg=name)
+    with pytest.raises(ValueError, match="5 tokens needs 5 log slots"):
+        fused_recurrent_gated_delta_rule_triton(*make_inputs(4, 2, 5, 2, 4, 16, 16)[:5], states[0], logs[0])
 
 
 def test_recurrent_kernel_fuses_the_gating():
     q, k, v, _, _, gen = make_inputs(3, 2, 4, 2, 4, 16, 16)
     a, b = 8 * torch.randn(2, 4, 4, generator=gen), torch.randn(2, 4, 4, generator=gen)
     a_log, dt_bias = torch.randn(4, generator=gen), torch.randn(4, generator=gen)
-    states = torch.randn(2, 4, 4, 16, 16, generator=gen)
-    read_slot = torch.tensor([2, 1])
-    got_states, want_states = states.clone(), states.clone()
-    out = fused_recurrent_gated_delta_rule_triton(q, k, v, a, b, got_states, read_slot, A_log=a_log, dt_bias=dt_bias)
-    want = fused_recurrent_gated_delta_rule_reference(q, k, v, a, b, want_states, read_slot, A_log=a_log,
-                                                      dt_bias=dt_bias)
+    s0 = torch.randn(2, 4, 16, 16, generator=gen)
+    got_state, want_state = s0.clone(), s0.clone()
+    out = fused_recurrent_gated_delta_rule_triton(q, k, v, a, b, got_state, A_log=a_log, dt_bias=dt_bias)
+    want = fused_recurrent_gated_delta_rule_reference(q, k, v, a, b, want_state, A_log=a_log, dt_bias=dt_bias)
     torch.testing.assert_close(out, want, rtol=1e-5, atol=1e-5)
-    torch.testing.assert_close(got_states, want_states, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(got_state, want_state, rtol=1e-5, atol=1e-5)
 
 
 @pytest.mark.parametrize("use_qk_l2norm", [True, False])
@@ -75,15 +150,14 @@ def test_recurrent_kernel_with_bf16_inputs(use_qk_l2norm):
     q, k, v, g, beta, gen = make_inputs(5, 2, 3, 2, 4, 16, 16, dtype=torch.bfloat16)
     if not use_qk_l2norm:
         q, k = q / 4, k / 4
-    states = torch.randn(2, 4, 4, 16, 16, generator=gen)
-    read_slot = torch.tensor([0, 3])
-    got_states, want_states = states.clone(), states.clone()
-    out = fused_recurrent_gated_delta_rule_triton(q, k, v, g, beta, got_states, read_slot, use_qk_l2norm)
-    want = fused_recurrent_gated_delta_rule_reference(q.float(), k.float(), v.float(), g, beta, want_states,
-                                                      read_slot, use_qk_l2norm)
+    s0 = torch.randn(2, 4, 16, 16, generator=gen)
+    got_state, want_state = s0.clone(), s0.clone()
+    out = fused_recurrent_gated_delta_rule_triton(q, k, v, g, beta, got_state, use_qk_l2norm=use_qk_l2norm)
+    want = fused_recurrent_gated_delta_rule_reference(q.float(), k.float(), v.float(), g, beta, want_state,
+                                                      use_qk_l2norm=use_qk_l2norm)
     assert out.dtype == torch.bfloat16
     torch.testing.assert_close(out.float(), want, rtol=1e-2, atol=1e-2)
-    torch.testing.assert_close(got_states, want_states, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(got_state, want_state, rtol=1e-5, atol=1e-5)
 
 
 @pytest.mark.parametrize(("b", "t", "h", "hv", "kd", "vd", "initial"), [
@@ -124,8 +198,6 @@ def test_recurrent_kernel_continues_from_the_chunked_state():
     q, k, v, g, beta, _ = make_inputs(17, 2, 44, 2, 4, 16, 16)
     want, _ = chunk_gated_delta_rule_reference(q, k, v, g, beta)
     _, state = chunk_gated_delta_rule_triton(q[:, :40], k[:, :40], v[:, :40], g[:, :40], beta[:, :40])
-    slots = torch.zeros(2, 4, 4, 16, 16)
-    slots[:, 2] = state
-    out = fused_recurrent_gated_delta_rule_triton(q[:, 40:], k[:, 40:], v[:, 40:], g[:, 40:], beta[:, 40:], slots,
-                                                  torch.tensor([2, 2]))
+    out = fused_recurrent_gated_delta_rule_triton(q[:, 40:], k[:, 40:], v[:, 40:], g[:, 40:], beta[:, 40:], state,
+                                                  new_log(2, 4, 2, 4, 16, 16))
     torch.testing.assert_close(out, want[:, 40:], rtol=1e-4, atol=1e-4)

@@ -28,10 +28,12 @@ from npuport.kernels.causal_conv1d import (  # noqa: E402
     causal_conv1d_update_reference,
 )
 from npuport.kernels.gated_delta_rule import (  # noqa: E402
+    VerifyLog,
     chunk_gated_delta_rule,
     chunk_gated_delta_rule_reference,
     fused_recurrent_gated_delta_rule,
     fused_recurrent_gated_delta_rule_reference,
+    replay_pending,
 )
 from npuport.kernels.gdn_gating import fused_gdn_gating, fused_gdn_gating_reference  # noqa: E402
 from npuport.kernels.w8a8 import (  # noqa: E402
@@ -83,17 +85,25 @@ def test_gdn_kernels_at_real_sizes(hv):
     torch.testing.assert_close(out[0].float(), want[0], rtol=1e-2, atol=1e-2)
     assert torch.equal(got_window, want_window)
 
-    # recurrent verify of T = 4 with gating fused, from different read slots
-    q, k = (torch.randn(b, t, H, K, device=CUDA, generator=gen).bfloat16() for _ in range(2))
-    v = torch.randn(b, t, hv, V, device=CUDA, generator=gen).bfloat16()
-    states = 0.1 * torch.randn(b, t, hv, K, V, device=CUDA, generator=gen)
-    read_slot = torch.tensor([0, 1, 2, 3], device=CUDA)
-    got_states, want_states = states.clone(), states.clone()
-    out = fused_recurrent_gated_delta_rule(q, k, v, a, logits, got_states, read_slot, A_log=a_log, dt_bias=dt_bias)
-    want = fused_recurrent_gated_delta_rule_reference(q.float(), k.float(), v.float(), a, logits, want_states,
-                                                      read_slot, A_log=a_log, dt_bias=dt_bias)
-    torch.testing.assert_close(out.float(), want, rtol=1e-2, atol=1e-2)
-    torch.testing.assert_close(got_states, want_states, rtol=0, atol=1e-4)
+    # two recurrent verify steps of T = 4 with gating fused; the requests keep 1..4 tokens of the first
+    q, k = (torch.randn(b, 2 * t, H, K, device=CUDA, generator=gen).bfloat16() for _ in range(2))
+    v = torch.randn(b, 2 * t, hv, V, device=CUDA, generator=gen).bfloat16()
+    a2, logits2 = (torch.randn(b, 2 * t, hv, device=CUDA, generator=gen) for _ in range(2))
+    s0 = 0.1 * torch.randn(b, hv, K, V, device=CUDA, generator=gen)
+    states = [s0.clone(), s0.clone()]
+    logs = [VerifyLog.empty(b, t, H, hv, K, V, torch.float32, CUDA) for _ in range(2)]
+    for step in range(2):
+        cut = slice(step * t, step * t + t)
+        out = fused_recurrent_gated_delta_rule(q[:, cut], k[:, cut], v[:, cut], a2[:, cut], logits2[:, cut],
+                                               states[0], logs[0], A_log=a_log, dt_bias=dt_bias)
+        want = fused_recurrent_gated_delta_rule_reference(q[:, cut].float(), k[:, cut].float(), v[:, cut].float(),
+                                                          a2[:, cut], logits2[:, cut], states[1], logs[1],
+                                                          A_log=a_log, dt_bias=dt_bias)
+        torch.testing.assert_close(out.float(), want, rtol=1e-2, atol=1e-2)
+        for log in logs:
+            log.keep(torch.arange(1, b + 1, device=CUDA))
+    torch.testing.assert_close(replay_pending(states[0], logs[0]), replay_pending(states[1], logs[1]),
+                               rtol=0, atol=1e-4)
 
     # chunked prefill, 3000 tokens (a partial last chunk), from an initial state
     t = 3000

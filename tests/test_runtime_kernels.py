@@ -9,7 +9,12 @@ import pytest
 import torch
 
 from npuport.kernels.causal_conv1d import causal_conv1d_fn, causal_conv1d_update
-from npuport.kernels.gated_delta_rule import chunk_gated_delta_rule, fused_recurrent_gated_delta_rule
+from npuport.kernels.gated_delta_rule import (
+    VerifyLog,
+    chunk_gated_delta_rule,
+    fused_recurrent_gated_delta_rule,
+    replay_pending,
+)
 from npuport.kernels.gdn_gating import fused_gdn_gating
 from npuport.kernels.w8a8 import int8_matmul_rescale, quantize_per_token_int8
 from npuport.runtime.linear import W8A8Linear
@@ -59,24 +64,30 @@ def test_chunked_delta_rule_matches_the_recurrence(gdn_inputs, chunk_size):
     torch.testing.assert_close(final, states[:, -1], rtol=1e-10, atol=1e-10)
 
 
-def test_recurrent_step_writes_the_state_after_each_token_into_its_slot(gdn_inputs):
+def test_verify_step_logs_the_state_after_each_token(gdn_inputs):
+    """A verify step of 4 tokens leaves the state at its start; replaying the first a log entries gives the
+    naive recurrence's state after token a - 1, for every a; a decode step stores the state after its last."""
     q, k, v, g, beta, s0 = gdn_inputs
     want, states = naive_delta_rule(q, k, v, g, beta, s0)
-    slots = torch.randn(B, 4, HV, K, V, dtype=torch.float64)
-    read_slot = torch.tensor([2, 3])
-    slots[torch.arange(B), read_slot] = s0
-    out = fused_recurrent_gated_delta_rule(q[:, :4], k[:, :4], v[:, :4], g[:, :4], beta[:, :4], slots, read_slot)
+    state = s0.clone()
+    log = VerifyLog.empty(B, 4, H, HV, K, V, torch.float64, torch.device("cpu"))
+    out = fused_recurrent_gated_delta_rule(q[:, :4], k[:, :4], v[:, :4], g[:, :4], beta[:, :4], state, log)
     torch.testing.assert_close(out, want[:, :4], rtol=1e-10, atol=1e-10)
-    torch.testing.assert_close(slots, states[:, :4], rtol=1e-10, atol=1e-10)
+    assert torch.equal(state, s0)
+    for a in range(1, 5):
+        log.pending.fill_(a)
+        log.side.fill_(1)  # the half the step wrote, as VerifyLog.keep leaves it
+        torch.testing.assert_close(replay_pending(state, log), states[:, a - 1], rtol=1e-10, atol=1e-10)
+    decoded = s0.clone()
+    out = fused_recurrent_gated_delta_rule(q[:, :4], k[:, :4], v[:, :4], g[:, :4], beta[:, :4], decoded)
+    torch.testing.assert_close(decoded, states[:, 3], rtol=1e-10, atol=1e-10)
 
 
 def test_recurrent_step_continues_from_the_chunked_final_state(gdn_inputs):
     q, k, v, g, beta, s0 = gdn_inputs
     want, _ = naive_delta_rule(q, k, v, g, beta, s0)
     _, final = chunk_gated_delta_rule(q[:, :7], k[:, :7], v[:, :7], g[:, :7], beta[:, :7], s0, chunk_size=4)
-    slots = final[:, None].repeat(1, 4, 1, 1, 1)
-    out = fused_recurrent_gated_delta_rule(q[:, 7:], k[:, 7:], v[:, 7:], g[:, 7:], beta[:, 7:], slots,
-                                           torch.zeros(B, dtype=torch.long))
+    out = fused_recurrent_gated_delta_rule(q[:, 7:], k[:, 7:], v[:, 7:], g[:, 7:], beta[:, 7:], final)
     torch.testing.assert_close(out, want[:, 7:], rtol=1e-10, atol=1e-10)
 
 
