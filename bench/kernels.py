@@ -1,14 +1,17 @@
 """Benchmark: npuport's Triton kernels against their peers, measured in the same run on one GPU.
 
     python bench/kernels.py [--out DIR] [--only peaks,recurrent,chunk,w8a8] [--sweep] [--quick]
+                            [--ms 32,64,...] [--shapes NxK,...]
 
 - peaks: device-to-device copy bandwidth (bytes read + written), bf16 matmul TFLOP/s (8192^3), int8
   torch._int_mm TOP/s (8192^3): the ceilings the kernels are reported against.
-- recurrent: decode / verify, fused_recurrent_gated_delta_rule (writes every verify state into its slot)
-  against fla's fused_recurrent_gated_delta_rule (final state only), B x T x HV, H = 16, K = V = 128.
+- recurrent: decode / verify, fused_recurrent_gated_delta_rule against fla's fused_recurrent_gated_delta_rule
+  (final state only), B x T x HV, H = 16, K = V = 128. Verify (T > 1) runs as in speculative decoding: it
+  first replays T pending log entries (a previous step that kept every token, the most work) and logs its own.
 - chunk: prefill, chunk_gated_delta_rule against fla's chunk_gated_delta_rule, B = 1, T = 4k..64k.
 - w8a8: per-token quantization + int8 GEMM with the fused rescale (what W8A8Linear runs) against BF16
-  F.linear, at the 27B shapes, M = 1..16384; --sweep also times candidate GEMM tiles per M.
+  F.linear, at the 27B shapes, M = 1..16384; --sweep also times candidate GEMM tiles per M (split-K ones
+  too); --ms and --shapes (N x K) narrow it down.
 
 Timing: each contestant is captured as a CUDA graph of many calls (launch gaps out, as in a captured decode
 step) that rotate over enough input sets to exceed the 60 MB L2, replayed several times; the median per call
@@ -31,6 +34,7 @@ import torch.nn.functional as F
 from npuport.kernels.gated_delta_rule import (
     ChunkConfig,
     RecurrentConfig,
+    VerifyLog,
     chunk_gated_delta_rule_triton,
     chunk_prepare,
     chunk_states,
@@ -122,6 +126,8 @@ def bench_peaks() -> dict:
 # ------------------------------------------------------------------------------------------------- recurrent
 
 def recurrent_inputs(b: int, t: int, hv: int, n_sets: int):
+    """n_sets of (q, k, v, g, beta, state, log): bf16 activations, an fp32 state [B, HV, K, V]; for T > 1 a
+    VerifyLog whose T pending entries (unit keys, decays, writes) a previous verify step kept."""
     sets = []
     for _ in range(n_sets):
         q = torch.randn(b, t, H, KD, device="cuda", dtype=torch.bfloat16)
@@ -129,8 +135,15 @@ def recurrent_inputs(b: int, t: int, hv: int, n_sets: int):
         v = torch.randn(b, t, hv, VD, device="cuda", dtype=torch.bfloat16)
         g = -torch.rand(b, t, hv, device="cuda") * 0.5
         beta = torch.rand(b, t, hv, device="cuda")
-        states = torch.randn(b, t, hv, KD, VD, device="cuda") * 0.1
-        sets.append((q, k, v, g, beta, states, states[:, 0].contiguous()))
+        state = torch.randn(b, hv, KD, VD, device="cuda") * 0.1
+        log = None
+        if t > 1:
+            log = VerifyLog.empty(b, t, H, hv, KD, VD, torch.float32, torch.device("cuda"))
+            log.keys.copy_(torch.nn.functional.normalize(torch.randn_like(log.keys), dim=-1))
+            log.log_decay.copy_(-torch.rand_like(log.log_decay) * 0.5)
+            log.writes.copy_(torch.randn_like(log.writes) * 0.1)
+            log.pending.fill_(t)
+        sets.append((q, k, v, g, beta, state, log))
     return sets
 
 
@@ -140,23 +153,24 @@ def bench_recurrent(fla, batches, tokens, heads, configs=None) -> list[dict]:
         for b in batches:
             for t in tokens:
                 state_bytes = b * hv * KD * VD * 4
-                n_sets = sets_for(state_bytes * (1 + t), cap=16)
+                n_sets = sets_for(2 * state_bytes, cap=16)
                 sets = recurrent_inputs(b, t, hv, n_sets)
-                read_slot = torch.zeros(b, dtype=torch.long, device="cuda")
 
-                def ours(i, cfg=None, sets=sets, read_slot=read_slot):
-                    q, k, v, g, beta, states, _ = sets[i]
-                    fused_recurrent_gated_delta_rule_triton(q, k, v, g, beta, states, read_slot, config=cfg)
+                def ours(i, cfg=None, sets=sets):
+                    q, k, v, g, beta, state, log = sets[i]
+                    fused_recurrent_gated_delta_rule_triton(q, k, v, g, beta, state, log, config=cfg)
 
                 def peer(i, sets=sets):
-                    q, k, v, g, beta, _, h0 = sets[i]
-                    fla(q, k, v, g=g, beta=beta, initial_state=h0, output_final_state=True,
+                    q, k, v, g, beta, state, _ = sets[i]
+                    fla(q, k, v, g=g, beta=beta, initial_state=state, output_final_state=True,
                         use_qk_l2norm_in_kernel=True)
 
                 row = {"HV": hv, "B": b, "T": t, "ours_us": time_graph(ours, n_sets) * 1e6}
                 row["fla_us"] = time_graph(peer, n_sets) * 1e6 if fla else None
-                # bytes: state read once and written T times, q/k/v/o bf16
-                moved = state_bytes * (1 + t) + b * t * (2 * H * KD + 2 * hv * VD) * 2
+                # bytes: the state read and written once, q/k/v/o bf16, and for verify the log entries
+                # (T replayed, T recorded: keys, decay and writes in fp32)
+                log_bytes = 0 if t == 1 else 2 * b * t * (H * KD + hv + hv * VD) * 4
+                moved = 2 * state_bytes + b * t * (2 * H * KD + 2 * hv * VD) * 2 + log_bytes
                 row["ours_GBps"] = moved / row["ours_us"] / 1e3
                 cfg = recurrent_config(b * hv, t)
                 row["config"] = str(cfg)
@@ -172,24 +186,31 @@ def bench_recurrent(fla, batches, tokens, heads, configs=None) -> list[dict]:
 
 
 def check_recurrent(fla) -> dict:
-    """Real sizes: the Triton kernel (and fla's) against the fp32 reference on the same bf16 inputs."""
+    """Real sizes, a verify step of 4 after one whose requests kept 0..4 tokens: the Triton kernel against
+    the fp32 reference on the same bf16 inputs and log (outputs, and the state after all 4 tokens), and fla
+    from the same committed state."""
     from npuport.kernels.gated_delta_rule import fused_recurrent_gated_delta_rule_reference as ref
+    from npuport.kernels.gated_delta_rule import replay_pending
 
     out = {}
     for hv in (32, 48, 64):
-        (q, k, v, g, beta, states, _), = recurrent_inputs(8, 4, hv, 1)
-        read_slot = torch.randint(0, 4, (8,), device="cuda")
-        s_ours, s_ref = states.clone(), states.clone()
-        o = fused_recurrent_gated_delta_rule_triton(q, k, v, g, beta, s_ours, read_slot)
-        o_ref = ref(q.float(), k.float(), v.float(), g, beta, s_ref, read_slot)
+        (q, k, v, g, beta, state, log), = recurrent_inputs(8, 4, hv, 1)
+        log.pending.copy_(torch.randint(0, 5, (8,), device="cuda"))
+        committed = replay_pending(state, log)
+        s_ours, s_ref, log_ours, log_ref = state.clone(), state.clone(), log.clone(), log.clone()
+        o = fused_recurrent_gated_delta_rule_triton(q, k, v, g, beta, s_ours, log_ours)
+        o_ref = ref(q.float(), k.float(), v.float(), g, beta, s_ref, log_ref)
+        for one in (log_ours, log_ref):
+            one.keep(torch.full((8,), 4, device="cuda"))
+        final_ours, final_ref = replay_pending(s_ours, log_ours), replay_pending(s_ref, log_ref)
         res = {"o_max_abs": (o.float() - o_ref).abs().max().item(), "o_ref_max": o_ref.abs().max().item(),
-               "states_max_abs": (s_ours - s_ref).abs().max().item(), "states_ref_max": s_ref.abs().max().item()}
+               "state_max_abs": (final_ours - final_ref).abs().max().item(),
+               "state_ref_max": final_ref.abs().max().item()}
         if fla:
-            h0 = states[torch.arange(8, device="cuda"), read_slot]
-            o_fla, s_fla = fla(q, k, v, g=g, beta=beta, initial_state=h0.clone(), output_final_state=True,
+            o_fla, s_fla = fla(q, k, v, g=g, beta=beta, initial_state=committed.clone(), output_final_state=True,
                                use_qk_l2norm_in_kernel=True)
             res["fla_o_max_abs"] = (o_fla.float() - o_ref).abs().max().item()
-            res["fla_state_max_abs"] = (s_fla - s_ref[:, 3]).abs().max().item()
+            res["fla_state_max_abs"] = (s_fla - final_ref).abs().max().item()
         out[f"HV={hv}"] = res
         print("check recurrent", hv, res, flush=True)
     return out
@@ -256,14 +277,39 @@ def check_chunk(fla) -> dict:
 
 # ------------------------------------------------------------------------------------------------- w8a8
 
+# Tiles (bm, bn, bk, warps, stages) whose split-K variants the sweep times, and the splits.
+SWEEP_SPLIT_TILES = [(16, 64, 256, 4, 4), (16, 32, 512, 4, 4), (32, 64, 256, 4, 4), (64, 64, 256, 4, 4),
+                     (64, 128, 128, 4, 4), (128, 128, 128, 8, 3), (128, 128, 256, 8, 3)]
+SWEEP_SPLITS = (2, 3, 4, 8)
+# Split-K is for M up to this (the GPU_CANDIDATES ranges that list it): beyond, the workspace pass only costs.
+SWEEP_SPLIT_MAX_M = 2048
+
+
 def sweep_configs() -> list[GemmConfig]:
-    """Every tile of GPU_CANDIDATES, once."""
-    return list(dict.fromkeys(c for _, cands in GPU_CANDIDATES for c in cands))
+    """Every tile of GPU_CANDIDATES, then split-K variants of SWEEP_SPLIT_TILES, each once."""
+    split = [GemmConfig(bm, bn, bk, 8, warps, stages, split_k)
+             for bm, bn, bk, warps, stages in SWEEP_SPLIT_TILES for split_k in SWEEP_SPLITS]
+    return list(dict.fromkeys([*(c for _, cands in GPU_CANDIDATES for c in cands), *split]))
 
 
-def bench_w8a8(ms, sweep: bool) -> list[dict]:
+def w8a8_shapes(spec: str | None) -> dict[str, tuple[int, int]]:
+    """--shapes "NxK,..." -> {name: (N, K)}: the W8A8_SHAPES entry of that N x K, or a new one; None: all."""
+    if not spec:
+        return W8A8_SHAPES
+    names = {nk: name for name, nk in W8A8_SHAPES.items()}
+    shapes = {}
+    for item in spec.split(","):
+        n, k = (int(v) for v in item.lower().split("x"))
+        shapes[names.get((n, k), f"{n}x{k}")] = (n, k)
+    return shapes
+
+
+def bench_w8a8(ms, sweep: bool, shapes: dict[str, tuple[int, int]] = W8A8_SHAPES) -> list[dict]:
+    """Per shape {name: (N, K)} and M in ms: quantize + int8 GEMM (the tiles the first call of the shape picked,
+    row["config"]) against BF16 F.linear; with sweep also every sweep_configs() tile, the fastest in
+    row["best_config"]."""
     rows = []
-    for name, (n, k) in W8A8_SHAPES.items():
+    for name, (n, k) in shapes.items():
         n_sets = sets_for(n * k, cap=8)  # int8 weights; bf16 ones are twice that
         w_bf16 = [torch.randn(n, k, device="cuda", dtype=torch.bfloat16) / k**0.5 for _ in range(n_sets)]
         w_q, w_s = [], []
@@ -295,7 +341,7 @@ def bench_w8a8(ms, sweep: bool) -> list[dict]:
             if sweep:
                 best = (row["w8a8_us"], str(cfg))
                 for c in sweep_configs():
-                    if c == cfg or c.bm > max(16, 4 * m):
+                    if c == cfg or c.bm > max(16, 4 * m) or (c.split_k > 1 and m > SWEEP_SPLIT_MAX_M):
                         continue
                     try:
                         us = time_graph(lambda i, c=c: ours(i, c), n_sets, min_calls) * 1e6
@@ -307,12 +353,17 @@ def bench_w8a8(ms, sweep: bool) -> list[dict]:
                 row["best_us"], row["best_config"] = best
             rows.append(row)
             print(f"w8a8 {name} M={m:5d}: bf16 {row['bf16_us']:9.1f} us  w8a8 {row['w8a8_us']:9.1f} us  "
-                  f"x{row['speedup']:.2f}  {row['w8a8_TOPs']:.0f} TOP/s {row['w8a8_GBps']:.0f} GB/s"
+                  f"x{row['speedup']:.2f}  {row['w8a8_TOPs']:.0f} TOP/s {row['w8a8_GBps']:.0f} GB/s  {cfg}"
                   + (f"  best {row['best_us']:.1f} {row['best_config']}" if sweep else ""), flush=True)
     return rows
 
 
+# A split-K config the check also runs: K tiles of 256 split 3 ways unevenly at every W8A8 shape.
+CHECK_SPLIT = GemmConfig(64, 64, 256, split_k=3)
+
+
 def check_w8a8() -> dict:
+    """Real sizes: the quantization and the GEMM (the tuned tiles, and CHECK_SPLIT) against the references."""
     from npuport.kernels.w8a8 import int8_matmul_rescale_reference, quantize_per_token_int8_reference
 
     out = {}
@@ -325,9 +376,11 @@ def check_w8a8() -> dict:
             w_s = torch.rand(n, 1, device="cuda") / 100
             y = int8_matmul_rescale_triton(xq_ref, xs_ref, w_q, w_s, torch.bfloat16)
             y_ref = int8_matmul_rescale_reference(xq_ref, xs_ref, w_q, w_s, torch.bfloat16)
+            y_split = int8_matmul_rescale_triton(xq_ref, xs_ref, w_q, w_s, torch.bfloat16, CHECK_SPLIT)
             res = {"quant_mismatches": int((xq != xq_ref).sum()), "scale_equal": bool(torch.equal(xs, xs_ref)),
                    "gemm_bf16_mismatches": int((y != y_ref).sum()),
-                   "gemm_max_abs": (y.float() - y_ref.float()).abs().max().item()}
+                   "gemm_max_abs": (y.float() - y_ref.float()).abs().max().item(),
+                   "gemm_split_k_bf16_mismatches": int((y_split != y_ref).sum())}
             out[f"{name} M={m}"] = res
             print("check w8a8", name, m, res, flush=True)
     return out
@@ -339,6 +392,8 @@ def main() -> None:
     ap.add_argument("--only", default="checks,peaks,recurrent,chunk,w8a8")
     ap.add_argument("--sweep", action="store_true", help="also time alternative tiles / blocks")
     ap.add_argument("--quick", action="store_true", help="fewer sizes")
+    ap.add_argument("--ms", help="w8a8: comma list of M (default: all of W8A8_M, fewer with --quick)")
+    ap.add_argument("--shapes", help="w8a8: comma list of NxK, e.g. 5120x17408,10240x5120 (default: W8A8_SHAPES)")
     args = ap.parse_args()
     only = set(args.only.split(","))
     args.out.mkdir(parents=True, exist_ok=True)
@@ -380,7 +435,7 @@ def main() -> None:
     if "recurrent" in only:
         batches = [1, 8, 32, 128] if args.quick else [1, 2, 4, 8, 16, 32, 64, 128]
         tokens = [1, 4] if args.quick else [1, 2, 3, 4]
-        alts = [RecurrentConfig(16, 1, 2), RecurrentConfig(16, 1, 3), RecurrentConfig(32, 2), RecurrentConfig(32, 2, 2),
+        alts = [RecurrentConfig(16, 1, one_pass=False), RecurrentConfig(16, 1, one_pass=True), RecurrentConfig(32, 2),
                 RecurrentConfig(8, 1)] if args.sweep else None
         section("recurrent", lambda: bench_recurrent(fla_recurrent, batches, tokens, [32, 48], alts))
     if "chunk" in only:
@@ -390,7 +445,8 @@ def main() -> None:
         section("chunk", lambda: bench_chunk(fla_chunk, lengths, [32, 48], alts))
     if "w8a8" in only:
         ms = [1, 16, 64, 256, 1024, 16384] if args.quick else W8A8_M
-        section("w8a8", lambda: bench_w8a8(ms, args.sweep))
+        ms = [int(m) for m in args.ms.split(",")] if args.ms else ms
+        section("w8a8", lambda: bench_w8a8(ms, args.sweep, w8a8_shapes(args.shapes)))
     print(f"done in {time.time() - t0:.0f} s; results in {path}")
 
 

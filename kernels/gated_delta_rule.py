@@ -254,9 +254,10 @@ def _unit_rows(x, L2NORM: tl.constexpr):
 # the same size and vectors: under 48 KiB, below the ~70 KiB that multi-buffering leaves.
 @jit
 def _recurrent_kernel(q, k, v, g, beta, A_log, dt_bias, state, log_keys, log_decay, log_writes, log_side, pending,
-                      out, B, T, S, H, HV, GROUP, n_tasks, scale, sq_b, sq_t, sq_h, sk_b, sk_t, sk_h, sv_b, sv_t, sv_h,
-                      sg_b, sg_t, so_b, so_t, so_h, K: tl.constexpr, V: tl.constexpr, BK: tl.constexpr,
-                      BV: tl.constexpr, L2NORM: tl.constexpr, GATING: tl.constexpr, LOG: tl.constexpr):
+                      out, B, T, H, HV, GROUP, n_tasks, scale, sq_b, sq_t, sq_h, sk_b, sk_t, sk_h, sv_b, sv_t, sv_h,
+                      sg_b, sg_t, so_b, so_t, so_h, S: tl.constexpr, K: tl.constexpr, V: tl.constexpr,
+                      BK: tl.constexpr, BV: tl.constexpr, L2NORM: tl.constexpr, GATING: tl.constexpr,
+                      LOG: tl.constexpr, ONE_PASS: tl.constexpr):
     # state [B, HV, K, V] and the log's keys [2, B, S, H, K], log_decay [2, B, S, HV], writes [2, B, S, HV, V]
     # are contiguous; entry (half, b, t) of the log starts at row (half * B + b) * S + t.
     n_v = (V + BV - 1) // BV
@@ -277,12 +278,16 @@ def _recurrent_kernel(q, k, v, g, beta, A_log, dt_bias, state, log_keys, log_dec
             read_row = (side * B + b) * S
             write_row = ((1 - side) * B + b) * S
             n_pending = tl.load(pending + b)
-            for j in range(n_pending):  # replay the accepted tokens of the last step
+            # Replay the accepted tokens of the last step, unrolled over all S slots so that every entry's
+            # loads are issued at once; the entries past n_pending (an older step's values) are dropped.
+            for j in tl.static_range(S):
                 row = read_row + j
+                kept = j < n_pending
                 k_j = tl.load(log_keys + (row * H + key_head) * K + keys, mask=key_ok, other=0.0)
                 u_j = tl.load(log_writes + (row * HV + head) * V + vals, mask=val_ok, other=0.0)
-                s = s * tl.exp(tl.load(log_decay + row * HV + head))
-                s = s + k_j[:, None] * u_j[None, :]
+                decay_j = tl.exp(tl.load(log_decay + row * HV + head))
+                s = s * tl.where(kept, decay_j, 1.0)  # x 1 and + 0 past the kept entries: exactly s
+                s = s + tl.where(kept, k_j, 0.0)[:, None] * tl.where(kept, u_j, 0.0)[None, :]
             if n_pending > 0:
                 tl.store(state_at, s, mask=tile_ok)
         if GATING:
@@ -301,10 +306,21 @@ def _recurrent_kernel(q, k, v, g, beta, A_log, dt_bias, state, log_keys, log_dec
             if GATING:
                 g_t = neg_rate * softplus(g_t + bias)
                 beta_t = 1.0 / (1.0 + tl.exp(-beta_t))
-            s = s * tl.exp(g_t)
-            u = beta_t * (v_t - tl.sum(s * k_t[:, None], 0))
-            s = s + k_t[:, None] * u[None, :]
-            o_t = tl.sum(s * q_t[:, None], 0)
+            decay = tl.exp(g_t)
+            if ONE_PASS:
+                # Both products from the previous state at once, one reduction deep per token instead of two:
+                # S'^T k = a S^T k and S_t^T q = a S^T q + (k . q) u, with a = exp(g_t), S' = a S.
+                s_k = tl.sum(s * k_t[:, None], 0)
+                s_q = tl.sum(s * q_t[:, None], 0)
+                u = beta_t * (v_t - decay * s_k)
+                o_t = decay * s_q + tl.sum(k_t * q_t, 0) * u
+                s = s * decay  # the same two steps as the replay above: the same state, bit for bit
+                s = s + k_t[:, None] * u[None, :]
+            else:
+                s = s * decay
+                u = beta_t * (v_t - tl.sum(s * k_t[:, None], 0))
+                s = s + k_t[:, None] * u[None, :]
+                o_t = tl.sum(s * q_t[:, None], 0)
             tl.store(out + b * so_b + t * so_t + head * so_h + vals, o_t.to(out.dtype.element_ty), mask=val_ok)
             if LOG:
                 row = write_row + t
@@ -319,19 +335,24 @@ def _recurrent_kernel(q, k, v, g, beta, A_log, dt_bias, state, log_keys, log_dec
 
 @dataclass(frozen=True)
 class RecurrentConfig:
-    """Launch choices of the recurrent kernel: the value block of a program, its warps and stages."""
+    """Launch choices of the recurrent kernel: the value block of a program, its warps and stages, and whether
+    a token's two products come from the previous state in one pass (a shorter dependency chain per token, more
+    live registers) or one after the other."""
 
     bv: int
     num_warps: int
     num_stages: int = 1
+    one_pass: bool = True
 
 
 def recurrent_config(pairs: int, tokens: int) -> RecurrentConfig:
     """Measured on an H200 (bench/RESULTS.md): one warp on a [K, 16] slice of a state is fastest for verify
-    steps and for few (request, head) pairs; plain decode of many pairs streams states better in [K, 32]."""
-    if tokens == 1 and pairs >= 1024:
-        return RecurrentConfig(32, 2)
-    return RecurrentConfig(16, 1)
+    steps and for few (request, head) pairs, plain decode of many pairs streams states better in [K, 32];
+    one pass per token wins for decode and for verify of few pairs, where latency rules, and loses to the
+    sequential products for verify of many pairs, where the extra registers cost more programs in flight."""
+    if tokens == 1:
+        return RecurrentConfig(32, 2) if pairs >= 1024 else RecurrentConfig(16, 1)
+    return RecurrentConfig(16, 1, one_pass=pairs < 192)
 
 
 def fused_recurrent_gated_delta_rule_triton(
@@ -370,10 +391,10 @@ def fused_recurrent_gated_delta_rule_triton(
     n_tasks = b * hv * -(-vd // bv)
     entries = (None,) * 5 if log is None else (log.keys, log.log_decay, log.writes, log.side, log.pending)
     launch(_recurrent_kernel, persistent_grid(v.device, n_tasks), q, k, v, g, beta, A_log, dt_bias, state, *entries,
-           out, b, t, slots, h, hv, hv // h, n_tasks, kd**-0.5, q.stride(0), q.stride(1), q.stride(2), k.stride(0),
+           out, b, t, h, hv, hv // h, n_tasks, kd**-0.5, q.stride(0), q.stride(1), q.stride(2), k.stride(0),
            k.stride(1), k.stride(2), v.stride(0), v.stride(1), v.stride(2), g.stride(0), g.stride(1), out.stride(0),
-           out.stride(1), out.stride(2), K=kd, V=vd, BK=max(16, next_power_of_2(kd)), BV=bv, L2NORM=use_qk_l2norm,
-           GATING=A_log is not None, LOG=log is not None,
+           out.stride(1), out.stride(2), S=slots, K=kd, V=vd, BK=max(16, next_power_of_2(kd)), BV=bv,
+           L2NORM=use_qk_l2norm, GATING=A_log is not None, LOG=log is not None, ONE_PASS=cfg.one_pass,
            **launch_options(v.device, num_warps=cfg.num_warps, num_stages=cfg.num_stages))
     return out
 

@@ -3,10 +3,13 @@ rescale by activation and weight scales (CONTRACT.md: x_q = round(x / s_x), s_x 
 y = (x_q @ W_q^T) * s_x * s_w).
 
 The Triton path is two kernels: the quantization, and the GEMM with the rescale in its epilogue (bf16 out).
-Both are bit-exact against the references. On an H200 it beats BF16 F.linear at decode and prefill sizes
-and falls short of it at some M in 256..1024 (bench/RESULTS.md). There is no fallback for those: with only
-int8 weights in memory, no faster path exists; one would need a BF16 copy of the weight (the int8 values
-held exactly in bf16 through cuBLAS, same rescale), twice the int8 weight memory, which is not done here.
+A split-K tile config (GemmConfig.split_k > 1) has the GEMM store int32 partial sums over K slices to a
+workspace instead, and a third kernel adds them up (integer addition: exact) and applies the same epilogue.
+All are bit-exact against the references. bench/RESULTS.md has H200 timings from before split-K: faster
+than BF16 F.linear at decode and prefill sizes, short of it at some M in 256..1024; bench/kernels.py --sweep
+times the split-K candidates. There is no BF16 fallback where it falls short: with only int8 weights in
+memory, no faster path exists; one would need a BF16 copy of the weight (the int8 values held exactly in
+bf16 through cuBLAS, same rescale), twice the int8 weight memory, which is not done here.
 """
 
 from __future__ import annotations
@@ -120,50 +123,108 @@ def quantize_per_token_int8_triton(x: torch.Tensor) -> tuple[torch.Tensor, torch
     return x_q, x_scale
 
 
-# NPU budget (the launcher keeps BM x BN <= 128 x 128 there): int8 tiles [BM, BK] + [BK, BN] = 2 x 16 KiB at
-# BK = 128, the int32 accumulator 64 KiB: over 70 KiB, so the NPU launch turns multi-buffering off.
 @jit
-def _w8a8_gemm_kernel(x_q, x_scale, w_q, w_scale, out, M, N, K, sx_m, sw_n, so_m, n_tasks,
-                      BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, GROUP_M: tl.constexpr,
-                      EVEN_K: tl.constexpr):
+def _tile_of(tile, M, N, BM: tl.constexpr, BN: tl.constexpr, GROUP_M: tl.constexpr):
+    """Output tile number `tile` -> rows rm [BM], columns rn [BN] and their in-bounds masks. GROUP_M row tiles
+    in a row walk the same weight columns, so those stay in L2 between them."""
     tiles_m = (M + BM - 1) // BM
     tiles_n = (N + BN - 1) // BN
-    k_tiles = (K + BK - 1) // BK
+    in_group = GROUP_M * tiles_n
+    first_m = tile // in_group * GROUP_M
+    group_m = tl.minimum(tiles_m - first_m, GROUP_M)
+    rm = (first_m + (tile % in_group) % group_m) * BM + tl.arange(0, BM)
+    rn = (tile % in_group) // group_m * BN + tl.arange(0, BN)
+    return rm, rn, rm < M, rn < N
+
+
+@jit
+def _int8_dot(x_q, w_q, rm, rn, m_ok, n_ok, K, sx_m, sw_n, kt_lo, kt_hi,
+              BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, EVEN_K: tl.constexpr):
+    """The exact int32 [BM, BN] sum of x_q[rm, k] * w_q[rn, k] over the K tiles kt_lo <= kt < kt_hi
+    (k in [kt BK, (kt + 1) BK), masked at K unless EVEN_K); zeros where kt_lo >= kt_hi."""
     rk = tl.arange(0, BK)
+    x_ptrs = x_q + rm[:, None].to(tl.int64) * sx_m + rk[None, :]
+    w_ptrs = w_q + rn[None, :].to(tl.int64) * sw_n + rk[:, None]
+    acc = tl.zeros([BM, BN], dtype=tl.int32)
+    for kt in range(kt_lo, kt_hi):
+        if EVEN_K:
+            a = tl.load(x_ptrs + kt * BK, mask=m_ok[:, None], other=0)
+            b = tl.load(w_ptrs + kt * BK, mask=n_ok[None, :], other=0)
+        else:
+            k_ok = kt * BK + rk < K
+            a = tl.load(x_ptrs + kt * BK, mask=m_ok[:, None] & k_ok[None, :], other=0)
+            b = tl.load(w_ptrs + kt * BK, mask=k_ok[:, None] & n_ok[None, :], other=0)
+        acc = tl.dot(a, b, acc, out_dtype=tl.int32)
+    return acc
+
+
+@jit
+def _rescale_store(acc, x_scale, w_scale, out, rm, rn, m_ok, n_ok, so_m):
+    """The epilogue: exact int32 sums acc [BM, BN], rescaled in fp32 in the reference's order
+    (acc * x_scale[rm] * w_scale[rn]), rounded once to out's dtype and stored to out[rm, rn]."""
+    x_s = tl.load(x_scale + rm, mask=m_ok, other=0.0)
+    w_s = tl.load(w_scale + rn, mask=n_ok, other=0.0)
+    y = acc.to(tl.float32) * x_s[:, None] * w_s[None, :]
+    tl.store(out + rm[:, None].to(tl.int64) * so_m + rn[None, :], y.to(out.dtype.element_ty),
+             mask=m_ok[:, None] & n_ok[None, :])
+
+
+# NPU budget (the launcher keeps BM x BN <= 128 x 128 there): int8 tiles [BM, BK] + [BK, BN] = 2 x 16 KiB at
+# BK = 128, the int32 accumulator 64 KiB: over 70 KiB, so the NPU launch turns multi-buffering off. SPLIT_K > 1
+# holds the same tiles (it stores the int32 accumulator instead of rescaling it).
+@jit
+def _w8a8_gemm_kernel(x_q, x_scale, w_q, w_scale, out, M, N, K, sx_m, sw_n, so_s, so_m, n_tasks,
+                      BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, GROUP_M: tl.constexpr,
+                      EVEN_K: tl.constexpr, SPLIT_K: tl.constexpr):
+    """Task t = (K slice s, output tile): s = t // n_tiles, the tile t % n_tiles. SPLIT_K = 1: out [M, N] gets
+    the rescaled product. SPLIT_K > 1: out is the int32 workspace [SPLIT_K, M, N] (split stride so_s); slice s
+    (K tiles s k_tiles // SPLIT_K up to (s + 1) k_tiles // SPLIT_K) stores its partial sums to out[s], plainly
+    (no atomics: deterministic), and _w8a8_split_sum_kernel adds them up and rescales."""
+    n_tiles = n_tasks // SPLIT_K
+    k_tiles = (K + BK - 1) // BK
+    for task in range(tl.program_id(0), n_tasks, tl.num_programs(0)):
+        split = task // n_tiles
+        rm, rn, m_ok, n_ok = _tile_of(task % n_tiles, M, N, BM, BN, GROUP_M)
+        acc = _int8_dot(x_q, w_q, rm, rn, m_ok, n_ok, K, sx_m, sw_n, split * k_tiles // SPLIT_K,
+                        (split + 1) * k_tiles // SPLIT_K, BM, BN, BK, EVEN_K)
+        if SPLIT_K == 1:
+            _rescale_store(acc, x_scale, w_scale, out, rm, rn, m_ok, n_ok, so_m)
+        else:
+            part = out + tl.cast(split, tl.int64) * so_s + rm[:, None].to(tl.int64) * so_m + rn[None, :]
+            tl.store(part, acc, mask=m_ok[:, None] & n_ok[None, :])
+
+
+# Tile of the split-K sum, an elementwise pass over the workspace.
+SUM_BM, SUM_BN = 16, 256
+
+
+# NPU budget: the int32 sum, one int32 partial and the fp32 result, [SUM_BM, SUM_BN] = [16, 256] each:
+# 3 x 16 KiB = 48 KiB.
+@jit
+def _w8a8_split_sum_kernel(part, x_scale, w_scale, out, M, N, sp_s, sp_m, so_m, n_tasks,
+                           SPLIT_K: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr):
+    """out [M, N] = (sum over s of part[s]) rescaled as the GEMM's epilogue does; part int32 [SPLIT_K, M, N]
+    (strides sp_s, sp_m, 1). Integer addition: exact in any order."""
+    tiles_n = (N + BN - 1) // BN
     for tile in range(tl.program_id(0), n_tasks, tl.num_programs(0)):
-        # GROUP_M row tiles in a row walk the same weight columns, so those stay in L2 between them.
-        in_group = GROUP_M * tiles_n
-        first_m = tile // in_group * GROUP_M
-        group_m = tl.minimum(tiles_m - first_m, GROUP_M)
-        pid_m = first_m + (tile % in_group) % group_m
-        pid_n = (tile % in_group) // group_m
-        rm = pid_m * BM + tl.arange(0, BM)
-        rn = pid_n * BN + tl.arange(0, BN)
+        rm = tile // tiles_n * BM + tl.arange(0, BM)
+        rn = tile % tiles_n * BN + tl.arange(0, BN)
         m_ok = rm < M
         n_ok = rn < N
-        x_ptrs = x_q + rm[:, None].to(tl.int64) * sx_m + rk[None, :]
-        w_ptrs = w_q + rn[None, :].to(tl.int64) * sw_n + rk[:, None]
-        acc = tl.zeros([BM, BN], dtype=tl.int32)
-        for kt in range(0, k_tiles):
-            if EVEN_K:
-                a = tl.load(x_ptrs + kt * BK, mask=m_ok[:, None], other=0)
-                b = tl.load(w_ptrs + kt * BK, mask=n_ok[None, :], other=0)
-            else:
-                k_ok = kt * BK + rk < K
-                a = tl.load(x_ptrs + kt * BK, mask=m_ok[:, None] & k_ok[None, :], other=0)
-                b = tl.load(w_ptrs + kt * BK, mask=k_ok[:, None] & n_ok[None, :], other=0)
-            acc = tl.dot(a, b, acc, out_dtype=tl.int32)
-        # the epilogue: exact int32 sums, rescaled in fp32 in the reference's order, rounded once
-        x_s = tl.load(x_scale + rm, mask=m_ok, other=0.0)
-        w_s = tl.load(w_scale + rn, mask=n_ok, other=0.0)
-        y = acc.to(tl.float32) * x_s[:, None] * w_s[None, :]
-        tl.store(out + rm[:, None].to(tl.int64) * so_m + rn[None, :], y.to(out.dtype.element_ty),
-                 mask=m_ok[:, None] & n_ok[None, :])
+        ok = m_ok[:, None] & n_ok[None, :]
+        ptrs = part + rm[:, None].to(tl.int64) * sp_m + rn[None, :]
+        acc = tl.load(ptrs, mask=ok, other=0)
+        for _ in tl.static_range(1, SPLIT_K):
+            ptrs += sp_s
+            acc += tl.load(ptrs, mask=ok, other=0)
+        _rescale_store(acc, x_scale, w_scale, out, rm, rn, m_ok, n_ok, so_m)
 
 
 @dataclass(frozen=True)
 class GemmConfig:
-    """Tile sizes and launch options of the int8 GEMM."""
+    """Tile sizes and launch options of the int8 GEMM. split_k > 1 splits K into that many slices of whole BK
+    tiles (as even as can be; a slice may be empty when there are fewer K tiles than slices), each computed by
+    its own task into an int32 workspace [split_k, M, N] that a second kernel sums and rescales."""
 
     bm: int
     bn: int
@@ -171,22 +232,33 @@ class GemmConfig:
     group_m: int = 8
     num_warps: int = 4
     num_stages: int = 4
+    split_k: int = 1
+
+    def __post_init__(self):
+        if self.split_k < 1:
+            raise ValueError(f"split_k must be >= 1, got {self.split_k}")
 
 
-def _c(bm: int, bn: int, bk: int, warps: int, stages: int) -> GemmConfig:
-    return GemmConfig(bm, bn, bk, 8, warps, stages)
+def _c(bm: int, bn: int, bk: int, warps: int, stages: int, split_k: int = 1) -> GemmConfig:
+    return GemmConfig(bm, bn, bk, 8, warps, stages, split_k)
 
 
-# Candidate tiles per range of M on a GPU, from a sweep on an H200 at the 27B shapes (bench/kernels.py
-# --sweep; bench/RESULTS.md): decode sizes stream the weight with 16-row tiles (tensor cores need 16);
-# larger M grows the tiles. Splitting K (tried: int32 atomics and a per-tile semaphore) was slower at every
-# shape, so there is none. Where a range lists several, the first call of each shape times them once.
+# Candidate tiles per range of M on a GPU, from a sweep on an H200 at the 27B shapes (bench/kernels.py --sweep,
+# bench/RESULTS.md): decode sizes stream the weight with 16-row tiles (tensor cores need 16); larger M grows the
+# tiles. Split-K (split_k > 1: plain int32 partials and a summing kernel) wins where a shape has few output
+# tiles for its weight - 17408 -> 5120 at M = 17..512 (N / BN = 40..80 tiles on 132 SMs) - and loses
+# elsewhere, so each range keeps the few tiles that won somewhere. The first call of a shape times the
+# candidates of its range once and keeps the fastest (do_bench: 5 ms warm-up + 20 ms each).
 GPU_CANDIDATES: list[tuple[int, list[GemmConfig]]] = [
     (16, [_c(16, 64, 256, 4, 4), _c(16, 32, 512, 4, 4)]),
-    (32, [_c(32, 64, 256, 4, 4), _c(16, 64, 256, 4, 4), _c(32, 32, 256, 4, 4)]),
-    (64, [_c(64, 64, 256, 4, 4), _c(64, 128, 128, 4, 4), _c(32, 64, 256, 4, 4), _c(64, 32, 256, 4, 4)]),
-    (256, [_c(64, 128, 128, 4, 4), _c(128, 128, 256, 8, 3), _c(64, 64, 256, 4, 4), _c(128, 64, 256, 4, 4)]),
-    (2048, [_c(64, 128, 128, 4, 4), _c(128, 128, 256, 8, 3), _c(128, 256, 128, 8, 3), _c(128, 64, 256, 4, 4)]),
+    (32, [_c(32, 64, 256, 4, 4), _c(16, 64, 256, 4, 4), _c(32, 32, 256, 4, 4), _c(32, 64, 256, 4, 4, split_k=3),
+          _c(16, 64, 256, 4, 4, split_k=2)]),
+    (64, [_c(64, 128, 128, 4, 4), _c(64, 32, 256, 4, 4), _c(64, 128, 128, 4, 4, split_k=2),
+          _c(64, 128, 128, 4, 4, split_k=4), _c(64, 64, 256, 4, 4, split_k=3)]),
+    (256, [_c(64, 128, 128, 4, 4), _c(128, 128, 256, 8, 3), _c(256, 128, 128, 8, 3), _c(128, 256, 128, 8, 3),
+           _c(64, 128, 128, 4, 4, split_k=3)]),
+    (2048, [_c(64, 128, 128, 4, 4), _c(128, 128, 256, 8, 3), _c(128, 256, 128, 8, 3), _c(256, 128, 128, 8, 3),
+            _c(64, 128, 128, 4, 4, split_k=3)]),
     (1 << 62, [_c(128, 256, 128, 8, 3), _c(256, 128, 128, 8, 3), _c(128, 128, 256, 8, 3)]),
 ]
 
@@ -211,14 +283,31 @@ def _tuning_key(m: int, n: int, k: int, device: torch.device) -> tuple:
 
 
 def _launch_gemm(x_q, x_scale, w_q, w_scale, out, cfg: GemmConfig) -> None:
+    """out [M, N] = the rescaled product of x_q [M, K] and w_q [N, K] (scales x_scale [M], w_scale [N]): one
+    GEMM launch, or with cfg.split_k > 1 a GEMM launch into an int32 workspace [split_k, M, N] (allocated here,
+    so a CUDA graph capture holds it) and the launch that sums it."""
     m, k = x_q.shape
     n = w_q.shape[0]
-    n_tasks = -(-m // cfg.bm) * -(-n // cfg.bn)
-    launch(_w8a8_gemm_kernel, persistent_grid(x_q.device, n_tasks, "cube"), x_q, x_scale, w_q, w_scale, out, m, n, k,
-           x_q.stride(0), w_q.stride(0), out.stride(0), n_tasks, BM=cfg.bm, BN=cfg.bn, BK=cfg.bk,
-           GROUP_M=cfg.group_m, EVEN_K=k % cfg.bk == 0,
+    split = cfg.split_k > 1
+    dst = torch.empty(cfg.split_k, m, n, dtype=torch.int32, device=out.device) if split else out
+    n_tasks = -(-m // cfg.bm) * -(-n // cfg.bn) * cfg.split_k
+    launch(_w8a8_gemm_kernel, persistent_grid(x_q.device, n_tasks, "cube"), x_q, x_scale, w_q, w_scale, dst, m, n, k,
+           x_q.stride(0), w_q.stride(0), dst.stride(0) if split else 0, dst.stride(-2), n_tasks, BM=cfg.bm,
+           BN=cfg.bn, BK=cfg.bk, GROUP_M=cfg.group_m, EVEN_K=k % cfg.bk == 0, SPLIT_K=cfg.split_k,
            **launch_options(x_q.device, num_warps=cfg.num_warps, num_stages=cfg.num_stages,
                             npu={"multibuffer": False}))
+    if split:
+        _launch_split_sum(dst, x_scale, w_scale, out)
+
+
+def _launch_split_sum(part, x_scale, w_scale, out) -> None:
+    """out [M, N] = the sum of the int32 partial products part [split_k, M, N], rescaled by x_scale [M] and
+    w_scale [N] as in the GEMM's epilogue."""
+    split_k, m, n = part.shape
+    n_tasks = -(-m // SUM_BM) * -(-n // SUM_BN)
+    launch(_w8a8_split_sum_kernel, persistent_grid(part.device, n_tasks), part, x_scale, w_scale, out, m, n,
+           part.stride(0), part.stride(1), out.stride(0), n_tasks, SPLIT_K=split_k, BM=SUM_BM, BN=SUM_BN,
+           **launch_options(part.device, num_warps=4))
 
 
 def _tune(x_q, x_scale, w_q, w_scale, out) -> GemmConfig:

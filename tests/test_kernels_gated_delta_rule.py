@@ -14,6 +14,7 @@ import torch
 pytest.importorskip("triton")
 
 from npuport.kernels.gated_delta_rule import (  # noqa: E402
+    RecurrentConfig,
     VerifyLog,
     chunk_gated_delta_rule_reference,
     chunk_gated_delta_rule_triton,
@@ -85,8 +86,10 @@ def test_verify_log_holds_the_state_after_every_token(t, h, hv, kd, vd):
         torch.testing.assert_close(replay_pending(state, log), want, rtol=1e-5, atol=1e-5)
 
 
-@pytest.mark.parametrize("gating", [False, True])
-def test_verify_steps_commit_what_each_request_accepted(gating):
+@pytest.mark.parametrize(("gating", "config"), [(False, RecurrentConfig(16, 1, one_pass=True)),
+                                               (True, RecurrentConfig(16, 1, one_pass=False)),
+                                               (True, RecurrentConfig(32, 2))])
+def test_verify_steps_commit_what_each_request_accepted(gating, config):
     """Three verify steps of 4 tokens; each request keeps a different prefix of every step. The outputs of
     each step, and the state at the end, are those of decoding only the kept tokens - the Triton kernel
     replays the pending entries itself, and records the next step's into the log's other half while other
@@ -101,7 +104,8 @@ def test_verify_steps_commit_what_each_request_accepted(gating):
     s0 = torch.randn(b, hv, kd, vd, generator=gen)
     state, log = s0.clone(), new_log(b, t, h, hv, kd, vd)
     for step in range(3):
-        out = fused_recurrent_gated_delta_rule_triton(*prefix(inputs, step * t, step * t + t), state, log, **extra)
+        out = fused_recurrent_gated_delta_rule_triton(*prefix(inputs, step * t, step * t + t), state, log, **extra,
+                                                      config=config)
         log.keep(kept[step])
         for r in range(b):
             # request r's tokens so far: the kept ones of earlier steps, then this step's

@@ -1,6 +1,7 @@
 """The Triton W8A8 kernels - per-token int8 quantization and the int8 GEMM with the rescale fused into its
 epilogue - against their references, run on CPU tensors through Triton's interpreter. Both are exact: the
-same int8 values and scales, the same int32 sums, the same fp32 rescale in the same order."""
+same int8 values and scales, the same int32 sums, the same fp32 rescale in the same order - also with split-K
+(int32 partial sums over K slices, added up by a second kernel)."""
 
 from __future__ import annotations
 
@@ -44,6 +45,10 @@ CONFIGS = [
     GemmConfig(bm=16, bn=32, bk=64),
     GemmConfig(bm=32, bn=16, bk=32, group_m=2),  # several row tiles per group, K not a multiple of BK
     GemmConfig(bm=16, bn=16, bk=32, group_m=1),
+    # split-K: int32 partials over K slices of whole BK tiles, summed by a second kernel
+    GemmConfig(bm=16, bn=32, bk=32, split_k=2),
+    GemmConfig(bm=32, bn=16, bk=32, group_m=2, split_k=3),  # K not a multiple of split_k x BK, nor of BK
+    GemmConfig(bm=16, bn=16, bk=64, split_k=8),  # more slices than K tiles (2..5 here): the empty ones add 0
 ]
 
 
@@ -61,8 +66,16 @@ def test_gemm_kernel_is_exactly_the_reference(config, m, n, k, out_dtype):
     assert torch.equal(got, want)
 
 
+def test_split_k_below_one_is_refused():
+    with pytest.raises(ValueError, match="split_k"):
+        GemmConfig(bm=16, bn=16, bk=32, split_k=0)
+
+
 def test_gpu_candidates_cover_every_m_and_use_16_row_tiles_for_decode():
     limits = [limit for limit, _ in GPU_CANDIDATES]
     assert limits == sorted(limits) and limits[-1] > 2**31
     assert all(c.bm == 16 for c in GPU_CANDIDATES[0][1])
     assert all(c.bm >= 16 and c.bk >= 32 for _, cands in GPU_CANDIDATES for c in cands)  # tl.dot minimums
+    # split-K is among the candidates from decode to mid M, each range short enough to time on first use
+    assert all(any(c.split_k > 1 for c in cands) for limit, cands in GPU_CANDIDATES if 32 <= limit <= 2048)
+    assert all(len(cands) == len(set(cands)) <= 10 for _, cands in GPU_CANDIDATES)
