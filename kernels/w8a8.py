@@ -5,11 +5,11 @@ y = (x_q @ W_q^T) * s_x * s_w).
 The Triton path is two kernels: the quantization, and the GEMM with the rescale in its epilogue (bf16 out).
 A split-K tile config (GemmConfig.split_k > 1) has the GEMM store int32 partial sums over K slices to a
 workspace instead, and a third kernel adds them up (integer addition: exact) and applies the same epilogue.
-All are bit-exact against the references. bench/RESULTS.md has H200 timings from before split-K: faster
-than BF16 F.linear at decode and prefill sizes, short of it at some M in 256..1024; bench/kernels.py --sweep
-times the split-K candidates. There is no BF16 fallback where it falls short: with only int8 weights in
-memory, no faster path exists; one would need a BF16 copy of the weight (the int8 values held exactly in
-bf16 through cuBLAS, same rescale), twice the int8 weight memory, which is not done here.
+All are bit-exact against the references. On an H200 (bench/RESULTS.md) it beats BF16 F.linear at decode and
+prefill sizes and falls short of it at a few shapes with M in 256..1024 (0.86-0.94x). There is no fallback
+for those: with only int8 weights in memory no faster exact path exists - a BF16 copy of the weight would
+double its memory, and a bf16 GEMM sums in fp32, which is exact only while every partial sum stays below
+2^24, so it could change the numbers the validator must reproduce.
 """
 
 from __future__ import annotations
