@@ -18,7 +18,7 @@ written once per step, as in a plain decode step, however many tokens were verif
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, fields
 
 import torch
 
@@ -96,7 +96,7 @@ class VerifyLog:
         self.pending.zero_()
 
     def clone(self) -> VerifyLog:
-        return VerifyLog(*(x.clone() for x in (self.keys, self.log_decay, self.writes, self.side, self.pending)))
+        return VerifyLog(*(getattr(self, f.name).clone() for f in fields(self)))
 
 
 def fused_recurrent_gated_delta_rule(
@@ -130,11 +130,10 @@ def replay_pending(state: torch.Tensor, log: VerifyLog) -> torch.Tensor:
     group = log.writes.shape[3] // log.keys.shape[3]
     out = state.clone()
     for j in range(int(log.pending.max()) if log.pending.numel() else 0):
-        live = (log.pending > j).to(out.dtype)[:, None, None, None]
         keys = log.keys[side, :, j].repeat_interleave(group, dim=1)  # [B, HV, K]
         stepped = out * log.log_decay[side, :, j].exp()[..., None, None]
         stepped = stepped + keys[..., :, None] * log.writes[side, :, j, :, None, :]
-        out = torch.where(live > 0, stepped, out)
+        out = torch.where((log.pending > j)[:, None, None, None], stepped, out)
     return out
 
 
