@@ -64,6 +64,15 @@ def is_gpu(device: torch.device) -> bool:
     return device.type == "cuda"
 
 
+def with_index(device: torch.device) -> torch.device:
+    """`device` with its index filled in where its name leaves it to the current device: "cuda" names the
+    same GPU as "cuda:0" when that one is current; a CPU has no index."""
+    if device.index is not None or is_cpu(device):
+        return device
+    current = torch.cuda.current_device() if is_gpu(device) else torch.npu.current_device()
+    return torch.device(device.type, current)
+
+
 def runs_triton(device: torch.device) -> bool:
     """Whether the runtime takes the Triton kernels on this device (CUDA, or an NPU through triton-ascend);
     the pure-PyTorch references run everywhere else."""

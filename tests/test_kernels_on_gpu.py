@@ -37,6 +37,7 @@ from npuport.kernels.gated_delta_rule import (  # noqa: E402
 )
 from npuport.kernels.gdn_gating import fused_gdn_gating, fused_gdn_gating_reference  # noqa: E402
 from npuport.kernels.w8a8 import (  # noqa: E402
+    gemm_config,
     int8_matmul_rescale,
     int8_matmul_rescale_reference,
     quantize_per_token_int8,
@@ -130,6 +131,8 @@ def test_w8a8_kernels_at_real_sizes_are_exact(n, k):
         assert torch.equal(x_q, want_q), f"M={m}: {int((x_q != want_q).sum())} of {x_q.numel()} int8 values differ"
         y = int8_matmul_rescale(x_q, x_scale, w_q, w_scale, torch.bfloat16)
         assert torch.equal(y, int8_matmul_rescale_reference(x_q, x_scale, w_q, w_scale, torch.bfloat16))
+        # the tiles that call tuned are what gemm_config reports, however the device is named
+        assert gemm_config(m, n, k, torch.device("cuda")) == gemm_config(m, n, k, x.device)
 
 
 @pytest.mark.parametrize("kind", ["dense-multimodal", "w8a8:dense-text", "moe-text-per-expert"])

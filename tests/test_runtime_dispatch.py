@@ -187,3 +187,10 @@ def test_only_devices_py_names_a_device():
     names = re.compile(r"""["'](npu|cuda|cpu)["']|torch\.(npu|cuda)\b|torch_npu|\.(cuda|npu)\(""")
     found = {name: names.findall(src) for name, src in runtime_sources().items() if name != "devices.py"}
     assert {name: hits for name, hits in found.items() if hits} == {}
+
+
+def test_with_index_fills_in_the_current_device_and_leaves_named_ones(monkeypatch):
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: 3)
+    assert devices.with_index(torch.device("cuda")) == torch.device("cuda", 3)
+    assert devices.with_index(torch.device("cuda", 1)) == torch.device("cuda", 1)
+    assert devices.with_index(torch.device("cpu")) == torch.device("cpu")
