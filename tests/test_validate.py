@@ -150,11 +150,12 @@ def test_throughput_repeats_keep_a_slow_one_token_call_out_of_the_decode_rate(mo
     """Decode time is the full call less the one-token call: a one-token call slowed by something else on the
     machine would make decode look faster than it is. The fastest of THROUGHPUT_REPEATS calls keeps it out."""
     prefill_s, step_s, hiccup_s, new_tokens = 0.05, 0.01, 0.15, 6
-    one_token_calls = []
+    one_token_calls = 0
 
     def fake_generate(model, prompts, max_new_tokens, **kwargs):
-        slow = max_new_tokens == 1 and not one_token_calls
-        one_token_calls.extend([1] if max_new_tokens == 1 else [])
+        nonlocal one_token_calls
+        slow = max_new_tokens == 1 and one_token_calls == 0  # the first timed one-token call only
+        one_token_calls += max_new_tokens == 1
         time.sleep(prefill_s + step_s * (max_new_tokens - 1) + (hiccup_s if slow else 0.0))
 
     monkeypatch.setattr(throughput, "generate", fake_generate)
