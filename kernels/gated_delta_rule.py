@@ -249,8 +249,21 @@ def _unit_rows(x, L2NORM: tl.constexpr):
     return x
 
 
+@jit
+def _token_inputs(q_at, k_at, v_at, g_at, beta_at, t, T, sq_t, sk_t, sv_t, sg_t, keys, key_ok, vals, val_ok):
+    """Token t's q [BK], k [BK], v [BV], g and beta of one (request, head, value block), as stored; *_at point at
+    the request's and head's token 0. Past the last token (t >= T, a prefetch with nothing left) the last
+    token's again, so no load needs a scalar mask."""
+    t = tl.minimum(t, T - 1)
+    q_t = tl.load(q_at + t * sq_t + keys, mask=key_ok, other=0.0)
+    k_t = tl.load(k_at + t * sk_t + keys, mask=key_ok, other=0.0)
+    v_t = tl.load(v_at + t * sv_t + vals, mask=val_ok, other=0.0)
+    return q_t, k_t, v_t, tl.load(g_at + t * sg_t), tl.load(beta_at + t * sg_t)
+
+
 # NPU budget (per program): S [BK, BV] fp32 = 128 x 16 x 4 B = 8 KiB (16 KiB at BV = 32), plus two products of
-# the same size and vectors: under 48 KiB, below the ~70 KiB that multi-buffering leaves.
+# the same size and vectors (the next token's inputs loaded ahead among them, q, k [BK] and v [BV] bf16: under
+# 1 KiB): under 48 KiB, below the ~70 KiB that multi-buffering leaves.
 @jit
 def _recurrent_kernel(q, k, v, g, beta, A_log, dt_bias, state, log_keys, log_decay, log_writes, log_side, pending,
                       out, B, T, H, HV, GROUP, n_tasks, scale, sq_b, sq_t, sq_h, sk_b, sk_t, sk_h, sv_b, sv_t, sv_h,
@@ -270,6 +283,14 @@ def _recurrent_kernel(q, k, v, g, beta, A_log, dt_bias, state, log_keys, log_dec
         val_ok = vals < V
         tile = keys[:, None] * V + vals[None, :]
         tile_ok = key_ok[:, None] & val_ok[None, :]
+        q_at = q + b * sq_b + key_head * sq_h
+        k_at = k + b * sk_b + key_head * sk_h
+        v_at = v + b * sv_b + head * sv_h
+        g_at = g + b * sg_b + head
+        beta_at = beta + b * sg_b + head
+        # the first token's inputs load while the state and the log entries do
+        q_n, k_n, v_n, g_n, beta_n = _token_inputs(q_at, k_at, v_at, g_at, beta_at, 0, T, sq_t, sk_t, sv_t, sg_t,
+                                                   keys, key_ok, vals, val_ok)
         state_at = state + (b * HV + head) * K * V + tile
         s = tl.load(state_at, mask=tile_ok, other=0.0)
         if LOG:
@@ -293,15 +314,17 @@ def _recurrent_kernel(q, k, v, g, beta, A_log, dt_bias, state, log_keys, log_dec
             neg_rate = -tl.exp(tl.load(A_log + head).to(tl.float32))
             bias = tl.load(dt_bias + head).to(tl.float32)
         for t in range(T):
-            q_t = tl.load(q + b * sq_b + t * sq_t + key_head * sq_h + keys, mask=key_ok, other=0.0).to(tl.float32)
-            k_t = tl.load(k + b * sk_b + t * sk_t + key_head * sk_h + keys, mask=key_ok, other=0.0).to(tl.float32)
+            # This token's inputs were loaded one token ahead: issue the next token's now, so that their latency
+            # overlaps this token's work instead of adding to every token's.
+            q_t, k_t, v_t, g_t, beta_t = q_n, k_n, v_n, g_n, beta_n
+            q_n, k_n, v_n, g_n, beta_n = _token_inputs(q_at, k_at, v_at, g_at, beta_at, t + 1, T, sq_t, sk_t, sv_t,
+                                                       sg_t, keys, key_ok, vals, val_ok)
+            q_t, k_t, v_t = q_t.to(tl.float32), k_t.to(tl.float32), v_t.to(tl.float32)
+            g_t, beta_t = g_t.to(tl.float32), beta_t.to(tl.float32)
             if L2NORM:
                 q_t = q_t * tl.rsqrt(tl.sum(q_t * q_t, 0) + 1e-6)
                 k_t = k_t * tl.rsqrt(tl.sum(k_t * k_t, 0) + 1e-6)
             q_t = q_t * scale
-            v_t = tl.load(v + b * sv_b + t * sv_t + head * sv_h + vals, mask=val_ok, other=0.0).to(tl.float32)
-            g_t = tl.load(g + b * sg_b + t * sg_t + head).to(tl.float32)
-            beta_t = tl.load(beta + b * sg_b + t * sg_t + head).to(tl.float32)
             if GATING:
                 g_t = neg_rate * softplus(g_t + bias)
                 beta_t = 1.0 / (1.0 + tl.exp(-beta_t))
@@ -346,11 +369,11 @@ class RecurrentConfig:
 
 def recurrent_config(pairs: int, tokens: int) -> RecurrentConfig:
     """Measured on an H200 (bench/RESULTS.md): one warp on a [K, 16] slice of a state is fastest for verify
-    steps and for few (request, head) pairs, plain decode of many pairs streams states better in [K, 32];
-    one pass per token wins for decode and for verify of few pairs, where latency rules, and loses to the
-    sequential products for verify of many pairs, where the extra registers cost more programs in flight."""
-    if tokens == 1:
-        return RecurrentConfig(32, 2) if pairs >= 1024 else RecurrentConfig(16, 1)
+    steps and for fewer than 1024 (request, head) pairs, plain decode of more streams states better in [K, 32];
+    one pass per token wins for few pairs, where latency rules, and loses to the sequential products from
+    192 pairs on, where its extra registers cost programs in flight."""
+    if tokens == 1 and pairs >= 1024:
+        return RecurrentConfig(32, 2)
     return RecurrentConfig(16, 1, one_pass=pairs < 192)
 
 
@@ -371,6 +394,8 @@ def fused_recurrent_gated_delta_rule_triton(
     interpreter)."""
     b, t, h, kd = q.shape
     hv, vd = v.shape[2], v.shape[3]
+    if t < 1:
+        raise ValueError("a recurrent step needs at least one token, got q of shape " + str(tuple(q.shape)))
     if state.dtype != torch.float32 or not state.is_contiguous() or state.shape != (b, hv, kd, vd):
         raise ValueError(f"the recurrent state must be a contiguous fp32 [{b}, {hv}, {kd}, {vd}] tensor, got "
                          f"{state.dtype} {tuple(state.shape)}")

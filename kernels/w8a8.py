@@ -5,11 +5,11 @@ y = (x_q @ W_q^T) * s_x * s_w).
 The Triton path is two kernels: the quantization, and the GEMM with the rescale in its epilogue (bf16 out).
 A split-K tile config (GemmConfig.split_k > 1) has the GEMM store int32 partial sums over K slices to a
 workspace instead, and a third kernel adds them up (integer addition: exact) and applies the same epilogue.
-All are bit-exact against the references. On an H200 (bench/RESULTS.md) it beats BF16 F.linear at decode and
-prefill sizes and falls short of it at a few shapes with M in 256..1024 (0.86-0.94x). There is no fallback
-for those: with only int8 weights in memory no faster exact path exists - a BF16 copy of the weight would
-double its memory, and a bf16 GEMM sums in fp32, which is exact only while every partial sum stays below
-2^24, so it could change the numbers the validator must reproduce.
+All are bit-exact against the references. On an H200 (bench/RESULTS.md) quantize + GEMM beats BF16 F.linear
+at every size measured at the 27B shapes (M = 1..16384: 1.01-1.82x), so there is no fallback; nor would one
+help: with only int8 weights in memory no faster exact path exists - a BF16 copy of the weight would double
+its memory, a bf16 GEMM on the int8 values sums in fp32, exact only while every partial sum stays below 2^24,
+and torch._int_mm (cuBLASLt's int8 GEMM) plus the rescale was slower than these kernels at every size tried.
 """
 
 from __future__ import annotations
@@ -244,23 +244,25 @@ def _c(bm: int, bn: int, bk: int, warps: int, stages: int, split_k: int = 1) -> 
     return GemmConfig(bm, bn, bk, 8, warps, stages, split_k)
 
 
-# Candidate tiles per range of M on a GPU, from a sweep on an H200 at the 27B shapes (bench/kernels.py --sweep,
-# bench/RESULTS.md): decode sizes stream the weight with 16-row tiles (tensor cores need 16); larger M grows the
-# tiles. Split-K (split_k > 1: plain int32 partials and a summing kernel) wins where a shape has few output
-# tiles for its weight - 17408 -> 5120 at M = 17..512 (N / BN = 40..80 tiles on 132 SMs) - and loses
-# elsewhere, so each range keeps the few tiles that won somewhere. The first call of a shape times the
-# candidates of its range (_tune: TUNING_ROUNDS rounds of 2 ms warm-up + 10 ms each) and keeps the fastest.
+# Candidate tiles per range of M on a GPU, from sweeps on an H200 at the 27B shapes (bench/kernels.py --sweep and
+# tile sweeps around the winners, bench/RESULTS.md): decode sizes stream the weight in narrow tiles of 16 rows
+# (tensor cores need 16) with two warps and deep pipelines; larger M grows the tiles, and up to M = 2048 a
+# 128 x 128 tile on four warps (one warp group) beats the eight-warp ones. Split-K (split_k > 1: plain int32
+# partials and a summing kernel) wins where a shape has few output tiles for its weight - 17408 -> 5120 at
+# M = 17..512 (N / BN = 40..160 tiles on 132 SMs) - and loses elsewhere, so each range keeps the few tiles that
+# won somewhere. The first call of a shape times the candidates of its range (_tune: TUNING_ROUNDS rounds of
+# 2 ms warm-up + 10 ms each) and keeps the fastest.
 GPU_CANDIDATES: list[tuple[int, list[GemmConfig]]] = [
-    (16, [_c(16, 64, 256, 4, 4), _c(16, 32, 512, 4, 4)]),
-    (32, [_c(32, 64, 256, 4, 4), _c(16, 64, 256, 4, 4), _c(32, 32, 256, 4, 4), _c(32, 64, 256, 4, 4, split_k=3),
-          _c(16, 64, 256, 4, 4, split_k=2)]),
-    (64, [_c(64, 128, 128, 4, 4), _c(64, 32, 256, 4, 4), _c(64, 128, 128, 4, 4, split_k=2),
-          _c(64, 128, 128, 4, 4, split_k=4), _c(64, 64, 256, 4, 4, split_k=3)]),
-    (256, [_c(64, 128, 128, 4, 4), _c(128, 128, 256, 8, 3), _c(256, 128, 128, 8, 3), _c(128, 256, 128, 8, 3),
+    (16, [_c(16, 32, 256, 2, 6), _c(16, 32, 256, 2, 4), _c(16, 64, 256, 2, 4), _c(16, 64, 256, 4, 4)]),
+    (32, [_c(32, 32, 128, 2, 6), _c(32, 32, 256, 1, 4), _c(16, 32, 256, 2, 6), _c(32, 16, 512, 2, 4),
+          _c(32, 64, 128, 2, 6), _c(32, 64, 256, 4, 4, split_k=3)]),
+    (64, [_c(64, 64, 128, 4, 6), _c(64, 64, 256, 4, 5), _c(64, 32, 128, 4, 6), _c(64, 64, 128, 4, 6, split_k=2),
+          _c(64, 128, 128, 4, 4, split_k=4)]),
+    (256, [_c(128, 128, 128, 4, 3), _c(128, 64, 128, 4, 4), _c(64, 128, 128, 4, 4), _c(128, 128, 64, 4, 5),
            _c(64, 128, 128, 4, 4, split_k=3)]),
-    (2048, [_c(64, 128, 128, 4, 4), _c(128, 128, 256, 8, 3), _c(128, 256, 128, 8, 3), _c(256, 128, 128, 8, 3),
-            _c(64, 128, 128, 4, 4, split_k=3)]),
-    (1 << 62, [_c(128, 256, 128, 8, 3), _c(256, 128, 128, 8, 3), _c(128, 128, 256, 8, 3)]),
+    (2048, [_c(128, 128, 128, 4, 3), _c(64, 128, 128, 4, 4), _c(256, 128, 128, 8, 3), _c(128, 256, 128, 8, 3),
+            _c(128, 128, 64, 4, 5), _c(64, 128, 128, 4, 4, split_k=3)]),
+    (1 << 62, [_c(128, 256, 128, 8, 3), _c(256, 128, 128, 8, 3), _c(128, 128, 256, 8, 3), _c(128, 128, 128, 4, 3)]),
 ]
 
 

@@ -135,6 +135,13 @@ def test_the_reference_keeps_the_same_log_as_the_kernel():
         fused_recurrent_gated_delta_rule_triton(*make_inputs(4, 2, 5, 2, 4, 16, 16)[:5], states[0], logs[0])
 
 
+def test_a_step_of_no_tokens_is_refused():
+    """The kernel loads each token's inputs one token ahead; with no token there is nothing to load."""
+    inputs = make_inputs(5, 2, 0, 2, 4, 16, 16)[:5]
+    with pytest.raises(ValueError, match="at least one token"):
+        fused_recurrent_gated_delta_rule_triton(*inputs, torch.zeros(2, 4, 16, 16))
+
+
 def test_recurrent_kernel_fuses_the_gating():
     q, k, v, _, _, gen = make_inputs(3, 2, 4, 2, 4, 16, 16)
     a, b = 8 * torch.randn(2, 4, 4, generator=gen), torch.randn(2, 4, 4, generator=gen)
