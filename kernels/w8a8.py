@@ -5,8 +5,8 @@ y = (x_q @ W_q^T) * s_x * s_w).
 The Triton path is two kernels: the quantization, and the GEMM with the rescale in its epilogue (bf16 out).
 A split-K tile config (GemmConfig.split_k > 1) has the GEMM store int32 partial sums over K slices to a
 workspace instead, and a third kernel adds them up (integer addition: exact) and applies the same epilogue.
-All are bit-exact against the references. On an H200 (bench/RESULTS.md) quantize + GEMM beats BF16 F.linear
-at every size measured at the 27B shapes (M = 1..16384: 1.01-1.82x), so there is no fallback; nor would one
+All are bit-exact against the references. On an H200 (bench/RESULTS.md) quantize + GEMM matches or beats BF16
+F.linear at every size measured at the 27B shapes (M = 1..16384: 0.99-1.84x), so there is no fallback; nor would one
 help: with only int8 weights in memory no faster exact path exists - a BF16 copy of the weight would double
 its memory, a bf16 GEMM on the int8 values sums in fp32, exact only while every partial sum stays below 2^24,
 and torch._int_mm (cuBLASLt's int8 GEMM) plus the rescale was slower than these kernels at every size tried.
@@ -118,10 +118,25 @@ def quantize_per_token_int8_triton(x: torch.Tensor) -> tuple[torch.Tensor, torch
     m, k = x.shape
     x_q = torch.empty(m, k, dtype=torch.int8, device=x.device)
     x_scale = torch.empty(m, 1, dtype=torch.float32, device=x.device)
-    block_k = min(4096, max(16, next_power_of_2(k)))
+    block_k, warps = quantize_launch(m, k, x.device)
     launch(_quantize_kernel, persistent_grid(x.device, m), x, x_q, x_scale, m, k, x.stride(0), x_q.stride(0),
-           BLOCK_K=block_k, **launch_options(x.device, num_warps=8 if block_k >= 2048 else 4))
+           BLOCK_K=block_k, **launch_options(x.device, num_warps=warps))
     return x_q, x_scale
+
+
+# Up to this many rows a GPU quantizes with few, wide programs (one per row, latency-bound).
+FEW_ROWS = 64
+
+
+def quantize_launch(m: int, k: int, device: torch.device) -> tuple[int, int]:
+    """(BLOCK_K, warps) of the quantization of [M, K]. Slices of at most 4096 on 4-8 warps; on a GPU with few rows
+    the row in one or two slices of up to 8192 on 16 or 32 warps, which took 2-7% off quantize + GEMM at
+    M = 1..64 on an H200 (bench/RESULTS.md). The NPU keeps 4096 (its on-chip budget, at the kernel)."""
+    full = max(16, next_power_of_2(k))
+    if is_gpu(device) and m <= FEW_ROWS:
+        return (min(8192, full), 16) if k <= 8192 else (4096, 32)
+    block_k = min(4096, full)
+    return block_k, 8 if block_k >= 2048 else 4
 
 
 @jit

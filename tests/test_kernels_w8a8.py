@@ -15,6 +15,7 @@ from npuport.kernels.w8a8 import (  # noqa: E402
     GemmConfig,
     int8_matmul_rescale_reference,
     int8_matmul_rescale_triton,
+    quantize_launch,
     quantize_per_token_int8_reference,
     quantize_per_token_int8_triton,
 )
@@ -38,6 +39,25 @@ def test_quantization_kernel_rounds_half_to_even():
     x = torch.tensor([[2.5, -127.0, 0.5, 1.5, -2.5, -0.5, 126.5, 3.5]])
     got_q, _ = quantize_per_token_int8_triton(x)
     assert got_q[0].tolist() == [2, -127, 0, 2, -2, 0, 126, 4]
+
+
+def test_few_rows_on_a_gpu_quantize_in_wide_slices_exactly(monkeypatch):
+    """The wide launch a GPU uses for few rows (one slice of 8192 over a row of 5000), run here in the
+    interpreter: the same values as the reference."""
+    from npuport.kernels import w8a8
+
+    monkeypatch.setattr(w8a8, "is_gpu", lambda device: True)
+    assert quantize_launch(3, 5000, torch.device("cpu"))[0] == 8192
+    x = 3 * torch.randn(3, 5000, generator=torch.Generator().manual_seed(5))
+    got_q, got_scale = quantize_per_token_int8_triton(x)
+    want_q, want_scale = quantize_per_token_int8_reference(x)
+    assert torch.equal(got_q, want_q) and torch.equal(got_scale, want_scale)
+
+
+@pytest.mark.parametrize(("m", "k"), [(1, 5120), (64, 17408), (65, 5120), (4096, 2048)])
+def test_quantization_slices_stay_in_the_npu_budget_off_a_gpu(m, k):
+    """Off a GPU (an NPU, the interpreter) a slice is at most 4096 values: the kernel's on-chip budget."""
+    assert quantize_launch(m, k, torch.device("cpu"))[0] <= 4096
 
 
 CONFIGS = [
