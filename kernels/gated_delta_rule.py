@@ -395,7 +395,7 @@ def fused_recurrent_gated_delta_rule_triton(
     b, t, h, kd = q.shape
     hv, vd = v.shape[2], v.shape[3]
     if t < 1:
-        raise ValueError("a recurrent step needs at least one token, got q of shape " + str(tuple(q.shape)))
+        raise ValueError(f"a recurrent step needs at least one token, got q of shape {tuple(q.shape)}")
     if state.dtype != torch.float32 or not state.is_contiguous() or state.shape != (b, hv, kd, vd):
         raise ValueError(f"the recurrent state must be a contiguous fp32 [{b}, {hv}, {kd}, {vd}] tensor, got "
                          f"{state.dtype} {tuple(state.shape)}")
