@@ -45,8 +45,11 @@ from npuport.kernels.w8a8 import (
     GPU_CANDIDATES,
     GemmConfig,
     gemm_config,
+    gemm_overlaps_quantization,
     int8_matmul_rescale_triton,
     quantize_per_token_int8_triton,
+    tuning_key,
+    tuning_times,
 )
 
 L2_BYTES = 60 * 2**20
@@ -333,6 +336,8 @@ def bench_w8a8(ms, sweep: bool, shapes: dict[str, tuple[int, int]] = W8A8_SHAPES
             row["w8a8_us"] = time_graph(ours, n_sets, min_calls) * 1e6
             cfg = gemm_config(m, n, k, torch.device("cuda"))  # what the first call picked
             row["config"] = str(cfg)
+            row["overlap"] = gemm_overlaps_quantization(m, torch.device("cuda"))  # GEMM started during quantization
+            row["tuning_ms"] = {str(c): t for c, t in tuning_times.get(tuning_key(m, n, k, torch.device("cuda")), [])}
             row["speedup"] = row["bf16_us"] / row["w8a8_us"]
             flops = 2 * m * n * k
             row["w8a8_TOPs"] = flops / row["w8a8_us"] / 1e6
@@ -354,6 +359,7 @@ def bench_w8a8(ms, sweep: bool, shapes: dict[str, tuple[int, int]] = W8A8_SHAPES
             rows.append(row)
             print(f"w8a8 {name} M={m:5d}: bf16 {row['bf16_us']:9.1f} us  w8a8 {row['w8a8_us']:9.1f} us  "
                   f"x{row['speedup']:.2f}  {row['w8a8_TOPs']:.0f} TOP/s {row['w8a8_GBps']:.0f} GB/s  {cfg}"
+                  + ("  overlapped" if row["overlap"] else "")
                   + (f"  best {row['best_us']:.1f} {row['best_config']}" if sweep else ""), flush=True)
     return rows
 

@@ -1,5 +1,6 @@
 """Where the Triton kernels meet devices: whether a tensor takes the Triton path, the grid of a persistent
-kernel, the per-backend launch options, and Triton's interpreter for kernels launched on CPU tensors.
+kernel, the per-backend launch options, the GPU-only intrinsics (dependent launch, L2 prefetch), and Triton's
+interpreter for kernels launched on CPU tensors.
 
 The runtime calls the references on CPU and the Triton kernels on CUDA and Ascend NPUs (triton-ascend).
 Tests launch the Triton kernels on CPU tensors, which run them through Triton's interpreter - the same as
@@ -14,7 +15,7 @@ from collections.abc import Iterator
 
 import torch
 
-from npuport.runtime.devices import is_cpu, is_gpu, is_npu, npu_core_count, runs_triton
+from npuport.runtime.devices import is_cpu, is_gpu, is_npu, npu_core_count, runs_triton, supports_dependent_launch
 
 try:
     import triton
@@ -22,6 +23,10 @@ try:
 except ImportError:  # CPU-only installs: the references cover everything
     triton = None
     tl = None
+try:  # CUDA's grid dependency control; absent from Triton builds without it (kernels then never ask for it)
+    from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
+except ImportError:
+    gdc_launch_dependents = gdc_wait = None
 
 # CUDA caps the first grid dimension far higher, triton-ascend at 65535: one limit for both.
 MAX_GRID = 65535
@@ -51,14 +56,50 @@ def persistent_grid(device: torch.device, n_tasks: int, kind: str = "vector") ->
     return (min(n_tasks, MAX_GRID),)
 
 
-def launch_options(device: torch.device, num_warps: int, num_stages: int = 2, npu: dict | None = None) -> dict:
-    """Backend-specific launch options, the only place they are chosen: num_warps / num_stages on a GPU,
-    the given triton-ascend options (e.g. multibuffer) on an NPU, none for the interpreter."""
+def launch_options(device: torch.device, num_warps: int, num_stages: int = 2, npu: dict | None = None,
+                   dependent: bool = False) -> dict:
+    """Backend-specific launch options, the only place they are chosen: num_warps / num_stages on a GPU (and
+    with `dependent`, a programmatic dependent launch: see dependent_launch), the given triton-ascend options
+    (e.g. multibuffer) on an NPU, none for the interpreter."""
     if is_gpu(device):
-        return {"num_warps": num_warps, "num_stages": num_stages}
+        return {"num_warps": num_warps, "num_stages": num_stages} | ({"launch_pdl": True} if dependent else {})
     if is_npu(device):
         return dict(npu or {})
     return {}
+
+
+def dependent_launch(device: torch.device) -> bool:
+    """Whether kernels on `device` can overlap the kernel before them in the stream: launched with
+    launch_options(..., dependent=True), a kernel starts while its predecessor still runs (once every program
+    of the predecessor called start_dependent_kernel, or ended), does work that needs none of its results, and
+    then calls wait_for_previous_kernel, which returns once the predecessor has finished and its writes are
+    visible. A Hopper or newer NVIDIA GPU and a Triton that exposes it; never on an NPU or in the interpreter."""
+    return gdc_wait is not None and supports_dependent_launch(device)
+
+
+@jit
+def start_dependent_kernel():
+    """GPU only: let the next kernel, if launched as dependent, start now (see dependent_launch)."""
+    gdc_launch_dependents()
+
+
+@jit
+def wait_for_previous_kernel():
+    """GPU only: wait until the kernel before this one has finished and its writes are visible (a no-op when
+    this kernel was not launched as dependent)."""
+    gdc_wait()
+
+
+# Bytes of one L2 line on NVIDIA GPUs: what one prefetch_to_l2 address brings in (a constexpr, for kernels).
+L2_LINE_BYTES = tl.constexpr(128) if tl is not None else 128
+
+
+@jit
+def prefetch_to_l2(ptrs):
+    """GPU only (PTX): ask the L2 cache to fetch the lines holding the addresses ptrs (any shape); nothing is
+    loaded into registers and nothing waits for it."""
+    tl.inline_asm_elementwise("prefetch.global.L2 [$1];\n mov.u32 $0, 0;", "=r,l", [ptrs], dtype=tl.int32,
+                              is_pure=False, pack=1)
 
 
 @functools.cache

@@ -5,8 +5,11 @@ y = (x_q @ W_q^T) * s_x * s_w).
 The Triton path is two kernels: the quantization, and the GEMM with the rescale in its epilogue (bf16 out).
 A split-K tile config (GemmConfig.split_k > 1) has the GEMM store int32 partial sums over K slices to a
 workspace instead, and a third kernel adds them up (integer addition: exact) and applies the same epilogue.
+With few rows (M <= FEW_ROWS) on a GPU that has dependent launch (Hopper on), the GEMM starts while the
+quantization still runs, asks the L2 for the first PREFETCH_BYTES of each weight row it will read first, and
+then waits for the quantization's results: the weight streams during the quantization instead of after it.
 All are bit-exact against the references. On an H200 (bench/RESULTS.md) quantize + GEMM matches or beats BF16
-F.linear at every size measured at the 27B shapes (M = 1..16384: 0.99-1.84x), so there is no fallback; nor would one
+F.linear at every size measured at the 27B shapes (M = 1..16384: 0.98-1.85x), so there is no fallback; nor would one
 help: with only int8 weights in memory no faster exact path exists - a BF16 copy of the weight would double
 its memory, a bf16 GEMM on the int8 values sums in fp32, exact only while every partial sum stays below 2^24,
 and torch._int_mm (cuBLASLt's int8 GEMM) plus the rescale was slower than these kernels at every size tried.
@@ -19,6 +22,8 @@ from dataclasses import dataclass
 import torch
 
 from npuport.kernels.launch import (
+    L2_LINE_BYTES,
+    dependent_launch,
     is_cpu,
     is_gpu,
     is_npu,
@@ -27,10 +32,13 @@ from npuport.kernels.launch import (
     launch_options,
     next_power_of_2,
     persistent_grid,
+    prefetch_to_l2,
+    start_dependent_kernel,
     tl,
     use_triton,
+    wait_for_previous_kernel,
 )
-from npuport.runtime.devices import with_index
+from npuport.runtime.devices import timed_graph, with_index
 
 QMAX = 127
 # An all-zero row would get scale 0; any positive scale quantizes it to zeros, so floor it.
@@ -89,7 +97,10 @@ def _div_rn(x, y):
 
 # NPU budget: one [BLOCK_K] fp32 row slice, 4096 x 4 B x 3 live = 48 KiB.
 @jit
-def _quantize_kernel(x, x_q, x_scale, M, K, sx_m, sq_m, BLOCK_K: tl.constexpr):
+def _quantize_kernel(x, x_q, x_scale, M, K, sx_m, sq_m, BLOCK_K: tl.constexpr, START_GEMM: tl.constexpr):
+    """START_GEMM (GPU only): let the GEMM launched after it as dependent start right away."""
+    if START_GEMM:
+        start_dependent_kernel()
     cols = tl.arange(0, BLOCK_K)
     for row in range(tl.program_id(0), M, tl.num_programs(0)):
         x_row = x + tl.cast(row, tl.int64) * sx_m
@@ -120,12 +131,25 @@ def quantize_per_token_int8_triton(x: torch.Tensor) -> tuple[torch.Tensor, torch
     x_scale = torch.empty(m, 1, dtype=torch.float32, device=x.device)
     block_k, warps = quantize_launch(m, k, x.device)
     launch(_quantize_kernel, persistent_grid(x.device, m), x, x_q, x_scale, m, k, x.stride(0), x_q.stride(0),
-           BLOCK_K=block_k, **launch_options(x.device, num_warps=warps))
+           BLOCK_K=block_k, START_GEMM=gemm_overlaps_quantization(m, x.device),
+           **launch_options(x.device, num_warps=warps))
     return x_q, x_scale
 
 
-# Up to this many rows a GPU quantizes with few, wide programs (one per row, latency-bound).
+# Up to this many rows a GPU quantizes with few, wide programs (one per row, latency-bound), and the GEMM
+# overlaps the quantization where the GPU can (gemm_overlaps_quantization).
 FEW_ROWS = 64
+# What the overlapping GEMM asks the L2 for, per weight row of its first tile, before it waits: 512 B was the
+# fastest of 128 B..8 KiB (and of bulk prefetches of 256 B..2 KiB) on an H200 at M = 1..64 of the 27B shapes
+# (bench/RESULTS.md); more crowds out the loads the GEMM waits on.
+PREFETCH_BYTES = 512
+
+
+def gemm_overlaps_quantization(m: int, device: torch.device) -> bool:
+    """Whether the GEMM of M rows launches as dependent on the quantization before it (launch.dependent_launch):
+    with few rows on a GPU that can. With many rows the waiting GEMM programs would hold SMs the quantization
+    needs (measured: slower from M = 128..256 on, bench/RESULTS.md)."""
+    return m <= FEW_ROWS and dependent_launch(device)
 
 
 def quantize_launch(m: int, k: int, device: torch.device) -> tuple[int, int]:
@@ -185,19 +209,37 @@ def _rescale_store(acc, x_scale, w_scale, out, rm, rn, m_ok, n_ok, so_m):
              mask=m_ok[:, None] & n_ok[None, :])
 
 
+@jit
+def _prefetch_first_weights(w_q, M, N, K, sw_n, n_tiles, k_tiles, BM: tl.constexpr, BN: tl.constexpr,
+                            BK: tl.constexpr, GROUP_M: tl.constexpr, SPLIT_K: tl.constexpr,
+                            PREFETCH_BYTES: tl.constexpr):
+    """GPU only: ask the L2 for the first PREFETCH_BYTES of each weight row [BN] of this program's first task,
+    from the start of its K slice (one address per L2 line, clamped to the row)."""
+    task = tl.program_id(0)
+    _, rn, _, _ = _tile_of(task % n_tiles, M, N, BM, BN, GROUP_M)
+    k0 = task // n_tiles * k_tiles // SPLIT_K * BK
+    cols = tl.minimum(k0 + tl.arange(0, PREFETCH_BYTES // L2_LINE_BYTES) * L2_LINE_BYTES, K - 1)
+    prefetch_to_l2(w_q + tl.minimum(rn, N - 1)[:, None].to(tl.int64) * sw_n + cols[None, :])
+
+
 # NPU budget (the launcher keeps BM x BN <= 128 x 128 there): int8 tiles [BM, BK] + [BK, BN] = 2 x 16 KiB at
 # BK = 128, the int32 accumulator 64 KiB: over 70 KiB, so the NPU launch turns multi-buffering off. SPLIT_K > 1
 # holds the same tiles (it stores the int32 accumulator instead of rescaling it).
 @jit
 def _w8a8_gemm_kernel(x_q, x_scale, w_q, w_scale, out, M, N, K, sx_m, sw_n, so_s, so_m, n_tasks,
                       BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, GROUP_M: tl.constexpr,
-                      EVEN_K: tl.constexpr, SPLIT_K: tl.constexpr):
+                      EVEN_K: tl.constexpr, SPLIT_K: tl.constexpr, PREFETCH_BYTES: tl.constexpr):
     """Task t = (K slice s, output tile): s = t // n_tiles, the tile t % n_tiles. SPLIT_K = 1: out [M, N] gets
     the rescaled product. SPLIT_K > 1: out is the int32 workspace [SPLIT_K, M, N] (split stride so_s); slice s
     (K tiles s k_tiles // SPLIT_K up to (s + 1) k_tiles // SPLIT_K) stores its partial sums to out[s], plainly
-    (no atomics: deterministic), and _w8a8_split_sum_kernel adds them up and rescales."""
+    (no atomics: deterministic), and _w8a8_split_sum_kernel adds them up and rescales.
+    PREFETCH_BYTES > 0 (GPU only, launched as dependent on the quantization): prefetch that much of each weight
+    row of the first task into L2, then wait for the quantization before reading anything."""
     n_tiles = n_tasks // SPLIT_K
     k_tiles = (K + BK - 1) // BK
+    if PREFETCH_BYTES > 0:
+        _prefetch_first_weights(w_q, M, N, K, sw_n, n_tiles, k_tiles, BM, BN, BK, GROUP_M, SPLIT_K, PREFETCH_BYTES)
+        wait_for_previous_kernel()
     for task in range(tl.program_id(0), n_tasks, tl.num_programs(0)):
         split = task // n_tiles
         rm, rn, m_ok, n_ok = _tile_of(task % n_tiles, M, N, BM, BN, GROUP_M)
@@ -265,8 +307,8 @@ def _c(bm: int, bn: int, bk: int, warps: int, stages: int, split_k: int = 1) -> 
 # 128 x 128 tile on four warps (one warp group) beats the eight-warp ones. Split-K (split_k > 1: plain int32
 # partials and a summing kernel) wins where a shape has few output tiles for its weight - 17408 -> 5120 at
 # M = 17..512 (N / BN = 40..160 tiles on 132 SMs) - and loses elsewhere, so each range keeps the few tiles that
-# won somewhere. The first call of a shape times the candidates of its range (_tune: TUNING_ROUNDS rounds of
-# 2 ms warm-up + 10 ms each) and keeps the fastest.
+# won somewhere. The first call of a shape times the candidates of its range (_tune: each as a graph of
+# TUNING_CALLS calls, TUNING_ROUNDS replays) and keeps the fastest.
 GPU_CANDIDATES: list[tuple[int, list[GemmConfig]]] = [
     (16, [_c(16, 32, 256, 2, 6), _c(16, 32, 256, 2, 4), _c(16, 64, 256, 2, 4), _c(16, 64, 256, 4, 4)]),
     (32, [_c(32, 32, 128, 2, 6), _c(32, 32, 256, 1, 4), _c(16, 32, 256, 2, 6), _c(32, 16, 512, 2, 4),
@@ -290,13 +332,15 @@ def gemm_candidates(m: int, device: torch.device) -> list[GemmConfig]:
 
 def gemm_config(m: int, n: int, k: int, device: torch.device) -> GemmConfig:
     """The tiles used for this product: the tuned choice if this shape was timed, else the first candidate."""
-    return _tuned.get(_tuning_key(m, n, k, device)) or gemm_candidates(m, device)[0]
+    return _tuned.get(tuning_key(m, n, k, device)) or gemm_candidates(m, device)[0]
 
 
 _tuned: dict[tuple, GemmConfig] = {}
+# What the tuning measured, per key of _tuned: (candidate, its best time in ms), for benchmarks to report.
+tuning_times: dict[tuple, list[tuple[GemmConfig, float]]] = {}
 
 
-def _tuning_key(m: int, n: int, k: int, device: torch.device) -> tuple:
+def tuning_key(m: int, n: int, k: int, device: torch.device) -> tuple:
     return (with_index(device), next_power_of_2(m), n, k)
 
 
@@ -309,11 +353,13 @@ def _launch_gemm(x_q, x_scale, w_q, w_scale, out, cfg: GemmConfig) -> None:
     split = cfg.split_k > 1
     dst = torch.empty(cfg.split_k, m, n, dtype=torch.int32, device=out.device) if split else out
     n_tasks = -(-m // cfg.bm) * -(-n // cfg.bn) * cfg.split_k
+    overlap = gemm_overlaps_quantization(m, x_q.device)
     launch(_w8a8_gemm_kernel, persistent_grid(x_q.device, n_tasks, "cube"), x_q, x_scale, w_q, w_scale, dst, m, n, k,
            x_q.stride(0), w_q.stride(0), dst.stride(0) if split else 0, dst.stride(-2), n_tasks, BM=cfg.bm,
            BN=cfg.bn, BK=cfg.bk, GROUP_M=cfg.group_m, EVEN_K=k % cfg.bk == 0, SPLIT_K=cfg.split_k,
+           PREFETCH_BYTES=PREFETCH_BYTES if overlap else 0,
            **launch_options(x_q.device, num_warps=cfg.num_warps, num_stages=cfg.num_stages,
-                            npu={"multibuffer": False}))
+                            npu={"multibuffer": False}, dependent=overlap))
     if split:
         _launch_split_sum(dst, x_scale, w_scale, out)
 
@@ -328,27 +374,31 @@ def _launch_split_sum(part, x_scale, w_scale, out) -> None:
            **launch_options(part.device, num_warps=4))
 
 
-# Rounds over the candidates when tuning: each keeps its best round, so a moment of noise or a GPU clock still
-# ramping up costs a candidate one sample, not the choice.
+# Tuning times each candidate in a graph of TUNING_CALLS calls, TUNING_ROUNDS replays in turn over the
+# candidates; each keeps its best replay, so a moment of noise or a GPU clock still ramping up costs a candidate
+# one sample, not the choice.
+TUNING_CALLS = 16
 TUNING_ROUNDS = 3
 
 
 def _tune(x_q, x_scale, w_q, w_scale, out) -> GemmConfig:
-    """Time the candidates on these operands (the first call of a shape, outside any graph capture), in
-    TUNING_ROUNDS rounds, and keep the fastest for the shape's range of M."""
-    import triton.testing
-
+    """Time the candidates on these operands (the first call of a shape, outside any graph capture) and keep the
+    fastest for the shape's range of M. They are timed as captured graphs, which is how decode and verify steps
+    run them: timed eagerly instead (one call at a time after an L2 flush) they ran 16-27% above their captured
+    times, unevenly, and a split-K tile that wins captured lost the choice (bench/RESULTS.md)."""
     m, k = x_q.shape
-    key = _tuning_key(m, w_q.shape[0], k, x_q.device)
+    key = tuning_key(m, w_q.shape[0], k, x_q.device)
     if key not in _tuned:
         cands = gemm_candidates(m, x_q.device)
         times = [float("inf")] * len(cands)
-        for _ in range(TUNING_ROUNDS if len(cands) > 1 else 0):
-            for i, c in enumerate(cands):
-                ms = triton.testing.do_bench(lambda c=c: _launch_gemm(x_q, x_scale, w_q, w_scale, out, c), warmup=2,
-                                             rep=10, return_mode="median")
-                times[i] = min(times[i], ms)
+        if len(cands) > 1:
+            graphs = [timed_graph(lambda c=c: _launch_gemm(x_q, x_scale, w_q, w_scale, out, c), x_q.device,
+                                  TUNING_CALLS) for c in cands]
+            for _ in range(TUNING_ROUNDS):
+                for i, replay_ms in enumerate(graphs):
+                    times[i] = min(times[i], replay_ms())
         _tuned[key] = cands[times.index(min(times))]
+        tuning_times[key] = list(zip(cands, times, strict=True))
     return _tuned[key]
 
 

@@ -89,6 +89,13 @@ def multiprocessor_count(device: torch.device) -> int:
 
 
 @functools.cache
+def supports_dependent_launch(device: torch.device) -> bool:
+    """Whether a kernel on `device` can be launched while the kernel before it still runs and wait for its
+    results inside (CUDA's programmatic dependent launch): NVIDIA GPUs from Hopper (compute capability 9) on."""
+    return is_gpu(device) and torch.version.hip is None and torch.cuda.get_device_capability(device)[0] >= 9
+
+
+@functools.cache
 def npu_core_count(device: torch.device, kind: str) -> int:
     """AI cores of `kind` ("cube" for tl.dot work, "vector" for the rest) on an Ascend device."""
     try:
@@ -131,3 +138,27 @@ class DeviceGraph:
 
     def replay(self) -> None:
         self.graph.replay()
+
+
+def timed_graph(fn, device: torch.device, calls: int):
+    """fn() as a captured step runs it: a graph of `calls` calls (captured after one warm-up call). Returns a
+    function that replays the graph once and returns the device milliseconds per call: no CPU launch cost."""
+    graph = DeviceGraph(device)
+    graph.warm_up(fn)
+
+    def many():
+        for _ in range(calls):
+            fn()
+
+    graph.capture(many)
+    graph.replay()
+
+    def replay_ms() -> float:
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        graph.replay()
+        end.record()
+        end.synchronize()
+        return start.elapsed_time(end) / calls
+
+    return replay_ms

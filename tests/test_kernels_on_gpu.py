@@ -15,6 +15,8 @@ W8A8_TOP1) and 75% of verify positions (4 per prompt).
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import pytest
 import torch
 
@@ -38,11 +40,14 @@ from npuport.kernels.gated_delta_rule import (  # noqa: E402
 from npuport.kernels.gdn_gating import fused_gdn_gating, fused_gdn_gating_reference  # noqa: E402
 from npuport.kernels.w8a8 import (  # noqa: E402
     gemm_config,
+    gemm_overlaps_quantization,
     int8_matmul_rescale,
     int8_matmul_rescale_reference,
+    int8_matmul_rescale_triton,
     quantize_per_token_int8,
     quantize_per_token_int8_reference,
 )
+from npuport.runtime.devices import DeviceGraph  # noqa: E402
 from npuport.runtime.generate import forward_logits, generate, prefill  # noqa: E402
 from npuport.runtime.loader import load_model  # noqa: E402
 
@@ -133,6 +138,36 @@ def test_w8a8_kernels_at_real_sizes_are_exact(n, k):
         assert torch.equal(y, int8_matmul_rescale_reference(x_q, x_scale, w_q, w_scale, torch.bfloat16))
         # the tiles that call tuned are what gemm_config reports, however the device is named
         assert gemm_config(m, n, k, torch.device("cuda")) == gemm_config(m, n, k, x.device)
+
+
+@pytest.mark.parametrize(("m", "split_k"), [(1, 1), (16, 1), (64, 1), (64, 3)])
+def test_w8a8_gemm_overlapping_the_quantization_in_a_graph_is_exact(m, split_k):
+    """From Hopper on, the GEMM of few rows starts while the quantization runs and waits for it in-kernel.
+    Captured back to back in a CUDA graph and replayed on new activations, it must read the new int8 values
+    (stale or half-written ones would differ from the reference) - also split-K, whose K slices prefetch
+    from their own starts."""
+    n, k = 10240, 5120
+    assert gemm_overlaps_quantization(m, CUDA) == (torch.cuda.get_device_capability(CUDA)[0] >= 9)
+    gen = torch.Generator(CUDA).manual_seed(m + split_k)
+    w_q = torch.randint(-128, 128, (n, k), device=CUDA, generator=gen, dtype=torch.int8)
+    w_scale = torch.rand(n, 1, device=CUDA, generator=gen) / 100
+    x = torch.empty(m, k, device=CUDA, dtype=torch.bfloat16)
+    config = replace(gemm_config(m, n, k, CUDA), split_k=split_k)
+
+    def step():
+        x_q, x_scale = quantize_per_token_int8(x)
+        return int8_matmul_rescale_triton(x_q, x_scale, w_q, w_scale, torch.bfloat16, config)
+
+    graph = DeviceGraph(CUDA)
+    x.normal_(generator=gen)
+    graph.warm_up(step)
+    y = graph.capture(step)
+    for _ in range(3):
+        x.copy_(3 * torch.randn(m, k, device=CUDA, generator=gen))
+        graph.replay()
+        want_q, want_scale = quantize_per_token_int8_reference(x)
+        want = int8_matmul_rescale_reference(want_q, want_scale, w_q, w_scale, torch.bfloat16)
+        assert torch.equal(y, want), f"M={m}: {int((y != want).sum())} of {y.numel()} outputs differ"
 
 
 @pytest.mark.parametrize("kind", ["dense-multimodal", "w8a8:dense-text", "moe-text-per-expert"])

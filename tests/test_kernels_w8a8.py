@@ -60,6 +60,22 @@ def test_quantization_slices_stay_in_the_npu_budget_off_a_gpu(m, k):
     assert quantize_launch(m, k, torch.device("cpu"))[0] <= 4096
 
 
+def test_the_gemm_overlaps_the_quantization_only_with_few_rows_where_the_device_can(monkeypatch):
+    """The overlap (a dependent launch and an L2 prefetch: CUDA-only instructions) is asked for only with
+    M <= FEW_ROWS on a device that has it - never in the interpreter - and only GPU launches carry the option."""
+    from npuport.kernels import w8a8
+    from npuport.kernels.launch import launch_options
+
+    cpu = torch.device("cpu")
+    assert not w8a8.gemm_overlaps_quantization(1, cpu)
+    monkeypatch.setattr(w8a8, "dependent_launch", lambda device: True)
+    assert w8a8.gemm_overlaps_quantization(w8a8.FEW_ROWS, cpu)
+    assert not w8a8.gemm_overlaps_quantization(w8a8.FEW_ROWS + 1, cpu)
+    assert launch_options(torch.device("cuda"), num_warps=4, dependent=True)["launch_pdl"] is True
+    assert "launch_pdl" not in launch_options(torch.device("cuda"), num_warps=4)
+    assert launch_options(cpu, num_warps=4, dependent=True) == {}
+
+
 CONFIGS = [
     None,  # what gemm_config picks
     GemmConfig(bm=16, bn=32, bk=64),
