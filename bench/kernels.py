@@ -51,6 +51,7 @@ from npuport.kernels.w8a8 import (
     tuning_key,
     tuning_times,
 )
+from npuport.runtime.devices import timed_graph
 
 L2_BYTES = 60 * 2**20
 H, KD, VD = 16, 128, 128
@@ -67,29 +68,13 @@ def sets_for(bytes_per_set: int, cap: int = 64) -> int:
 def time_graph(call, n_sets: int, min_calls: int = 24, replays: int = 7) -> float:
     """Median seconds per call(i) (i = input set), from a CUDA graph of calls rotating over the sets."""
     calls = max(min_calls, n_sets)
-    stream = torch.cuda.Stream()
-    stream.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(stream):
-        for i in range(min(n_sets, 3)):
-            call(i)
-    torch.cuda.current_stream().wait_stream(stream)
-    torch.cuda.synchronize()
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
+
+    def every_call():
         for j in range(calls):
             call(j % n_sets)
-    graph.replay()
-    torch.cuda.synchronize()
-    times = []
-    for _ in range(replays):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        graph.replay()
-        end.record()
-        end.synchronize()
-        times.append(start.elapsed_time(end) / 1e3 / calls)
-    del graph
-    return statistics.median(times)
+
+    replay_ms = timed_graph(every_call, torch.device("cuda"), calls=1)
+    return statistics.median(replay_ms() for _ in range(replays)) / calls / 1e3
 
 
 def time_eager(fn, reps: int = 10) -> float:
