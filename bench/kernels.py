@@ -31,6 +31,7 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
+from npuport.devices import timed_graph
 from npuport.kernels.gated_delta_rule import (
     ChunkConfig,
     RecurrentConfig,
@@ -51,7 +52,6 @@ from npuport.kernels.w8a8 import (
     tuning_key,
     tuning_times,
 )
-from npuport.runtime.devices import timed_graph
 
 L2_BYTES = 60 * 2**20
 H, KD, VD = 16, 128, 128

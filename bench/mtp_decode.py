@@ -5,7 +5,7 @@ MTP speculative decoding (k = 1..3) against without, at batch 1 and 8, with the 
 
 Training runs a number of steps that fits --train-seconds, from the time per step of a short calibration
 run (its step count is recorded; `npuport train-tiny --size small --steps N` reproduces the weights).
-Timing follows runtime/throughput.py (no stop tokens, fastest of --repeats after a warm-up). Acceptance is
+Timing follows runtime/validation/throughput.py (no stop tokens, fastest of --repeats after a warm-up). Acceptance is
 measured on --acceptance-prompts GSM8K test prompts (0-shot). The JSON is rewritten after every step, so a
 run cut short still leaves what it measured.
 """
@@ -22,17 +22,9 @@ from pathlib import Path
 import torch
 
 from npuport.benchlog import StepRecorder
-from npuport.runtime.config import ModelConfig
-from npuport.runtime.devices import pick_device
-from npuport.runtime.fidelity import greedy_token_agreement
-from npuport.runtime.generate import generate
-from npuport.runtime.gsm8k import make_protocol
-from npuport.runtime.loader import load_model
-from npuport.runtime.textgen import load_tokenizer
-from npuport.runtime.throughput import measure_throughput, synchronize
-from npuport.runtime.validate import describe_device
-from npuport.tiny_checkpoint import write_metadata
-from npuport.train_tiny import (
+from npuport.devices import pick_device
+from npuport.fixtures.tiny_checkpoint import write_metadata
+from npuport.fixtures.train_tiny import (
     RECIPES,
     TrainSpec,
     deterministic,
@@ -42,6 +34,14 @@ from npuport.train_tiny import (
     train_model,
     train_tiny,
 )
+from npuport.runtime.config import ModelConfig
+from npuport.runtime.generate import generate
+from npuport.runtime.loader import load_model
+from npuport.runtime.textgen import load_tokenizer
+from npuport.runtime.validation.fidelity import greedy_token_agreement
+from npuport.runtime.validation.gsm8k import make_protocol
+from npuport.runtime.validation.throughput import measure_throughput, synchronize
+from npuport.runtime.validation.validate import describe_device
 
 
 def seconds_per_step(spec: TrainSpec, device: torch.device, steps: int, workdir: Path) -> float:

@@ -22,7 +22,7 @@ import sys
 import time
 from pathlib import Path
 
-from npuport.release import package_release
+from npuport.release.package import package_release
 
 
 def timed(run) -> float:
@@ -80,7 +80,7 @@ def main() -> None:
         print(f"cp -r {times['cp -r'][-1]:.2f} s, package {times['package'][-1]:.2f} s", flush=True)
     copies, packagings = times["cp -r"], times["package"]
     clean()
-    help_cmd = [sys.executable, "-c", "import npuport.cli, npuport.release"]  # what the CLI imports
+    help_cmd = [sys.executable, "-c", "import npuport.cli, npuport.release.package"]  # what the CLI imports
     startup = statistics.median(timed(lambda: subprocess.run(help_cmd, check=True, capture_output=True))
                                 for _ in range(3))
     cp_s, pkg_s = statistics.median(copies), statistics.median(packagings)

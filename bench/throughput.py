@@ -1,5 +1,5 @@
 """Throughput of the built-in runtime on a generated checkpoint, with and without MTP, against plain
-transformers `generate` on the BF16 source, with the same timing rules (runtime/throughput.py):
+transformers `generate` on the BF16 source, with the same timing rules (runtime/validation/throughput.py):
 
     python bench/throughput.py --size mid --workdir .bench/throughput --out throughput.json
 
@@ -21,14 +21,14 @@ import torch
 
 from npuport.benchlog import StepRecorder
 from npuport.convert.converter import convert_qwen35
-from npuport.runtime.devices import pick_device
+from npuport.devices import pick_device
+from npuport.fixtures.tiny_checkpoint import TinySpec, make_tiny
 from npuport.runtime.generate import generate
-from npuport.runtime.gsm8k import make_protocol
 from npuport.runtime.loader import load_model
 from npuport.runtime.textgen import load_tokenizer
-from npuport.runtime.throughput import measure_throughput, synchronize
-from npuport.runtime.validate import describe_device
-from npuport.tiny_checkpoint import TinySpec, make_tiny
+from npuport.runtime.validation.gsm8k import make_protocol
+from npuport.runtime.validation.throughput import measure_throughput, synchronize
+from npuport.runtime.validation.validate import describe_device
 
 
 def transformers_throughput(model, tokenizer, prompts: list[list[int]], new_tokens: int, repeats: int) -> dict:

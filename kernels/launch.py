@@ -15,7 +15,7 @@ from collections.abc import Iterator
 
 import torch
 
-from npuport.runtime.devices import is_cpu, is_gpu, is_npu, npu_core_count, runs_triton, supports_dependent_launch
+from npuport.devices import is_cpu, is_gpu, is_npu, npu_core_count, runs_triton, supports_dependent_launch
 
 try:
     import triton

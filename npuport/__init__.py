@@ -1,3 +1,5 @@
-"""npuport: Qwen3.5 BF16 -> msModelSlim-format W8A8 for Ascend NPUs; convert, validate, package."""
+"""npuport: Qwen3.5 BF16 -> msModelSlim-format W8A8 for Ascend NPUs; convert, validate, package.
+Here: the CLI and the demo (they may import anything), and the helpers every package shares (errors, devices,
+JSON files, checksums), which import only each other."""
 
 __version__ = "0.1.0"

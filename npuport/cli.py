@@ -28,7 +28,7 @@ def main() -> None:
     """Convert Qwen3.5 checkpoints to msModelSlim-format W8A8 for Ascend NPUs, validate and package them."""
 
 
-# Options shared by the commands that run the model. The device names are runtime/devices.py's; they are
+# Options shared by the commands that run the model. The device names are npuport/devices.py's; they are
 # repeated here so that the command line starts without importing torch.
 device_option = click.option("--device", type=click.Choice(["npu", "cuda", "cpu"]), default=None,
                              help="Default: npu if torch_npu imports, else cuda, else cpu.")
@@ -60,7 +60,7 @@ def _report_problems(subject: Path, problems: list[str]) -> None:
 def make_tiny_cmd(out: Path, arch: str, layout: str, mtp_experts: str, size: str, seed: int,
                   tie_word_embeddings: bool) -> None:
     """Write a deterministic Qwen3.5 checkpoint with random weights to OUT (a new folder)."""
-    from npuport.tiny_checkpoint import TinySpec, make_tiny
+    from npuport.fixtures.tiny_checkpoint import TinySpec, make_tiny
 
     if out.exists():
         raise NpuportError(f"{out} already exists; choose a new folder")
@@ -142,7 +142,7 @@ def package_cmd(artifact: Path, out: Path, report: Path | None, base_model: str 
                 archive: bool) -> None:
     """Assemble the release folder OUT from ARTIFACT: its files, the validation report and plots, a model card
     README.md and SHA256SUMS. OUT appears only when complete."""
-    from npuport.release import package_release
+    from npuport.release.package import package_release
 
     package_release(artifact, out, report, force, archive, base_model=base_model,
                     log=lambda m: click.echo(m, err=True))
@@ -154,7 +154,7 @@ def package_cmd(artifact: Path, out: Path, report: Path | None, base_model: str 
 def verify_release_cmd(release: Path) -> None:
     """Check a packaged RELEASE: checksums, the checkpoint contract, the model card's figures against
     validation/report.json, no BF16 files; list every problem, exit 1 if any."""
-    from npuport.verify_release import verify_release
+    from npuport.release.verify import verify_release
 
     _report_problems(release, verify_release(release))
 
@@ -186,7 +186,7 @@ def generate_cmd(model: Path, texts: tuple[str, ...], id_prompts: tuple[str, ...
 
 
 # The GSM8K protocol names and defaults: a standard-library module, cheap to import with the command line.
-from npuport.runtime.gsm8k import DEFAULT_PROTOCOL, LM_EVAL_SEED, MAX_NEW_TOKENS, PROTOCOLS  # noqa: E402
+from npuport.runtime.validation.gsm8k import DEFAULT_PROTOCOL, LM_EVAL_SEED, MAX_NEW_TOKENS, PROTOCOLS  # noqa: E402
 
 
 @main.command("validate")
@@ -247,7 +247,7 @@ def validate_cmd(artifact: Path, gsm8k: bool, protocol: str, data: Path | None, 
     Exits 1 when a gate fails."""
     import json
 
-    from npuport.runtime.validate import ValidateOptions, run_validation
+    from npuport.runtime.validation.validate import ValidateOptions, run_validation
 
     try:
         template_kwargs = json.loads(chat_template_kwargs) if chat_template_kwargs else {}
@@ -287,7 +287,7 @@ def serve_cmd(model: Path, port: int, host: str, served_model_name: str | None, 
               device: str | None, dtype: str, quiet: bool) -> None:
     """Serve MODEL (a W8A8 artifact or BF16 source) on the built-in runtime as an OpenAI-compatible endpoint:
     POST /v1/completions, GET /v1/models. One request runs at a time."""
-    from npuport.runtime.serve import serve_model
+    from npuport.runtime.validation.serve import serve_model
 
     serve_model(model, host=host, port=port, served_model=served_model_name, device=device, dtype=dtype, mtp=mtp,
                 max_batch_size=max_batch_size, announce=click.echo,
@@ -308,7 +308,7 @@ def serve_cmd(model: Path, port: int, host: str, served_model_name: str | None, 
 def train_tiny_cmd(out: Path, size: str, arch: str, seed: int, steps: int | None, device: str | None, threads: int,
                    quiet: bool) -> None:
     """Train a small Qwen3.5 and its MTP head on GSM8K train text; write it BF16 to OUT (make-tiny's layout)."""
-    from npuport.train_tiny import TrainSpec, train_tiny
+    from npuport.fixtures.train_tiny import TrainSpec, train_tiny
 
     result = train_tiny(out, TrainSpec(size, arch, seed, steps, threads), device, show_progress=not quiet,
                         log=lambda m: click.echo(m, err=True))

@@ -12,7 +12,7 @@ from pathlib import Path
 from npuport.convert.check import check_artifact
 from npuport.convert.converter import convert_qwen35
 from npuport.errors import NpuportError
-from npuport.tiny_checkpoint import TinySpec, make_tiny
+from npuport.fixtures.tiny_checkpoint import TinySpec, make_tiny
 
 MARKER = ".npuport-demo"
 MODELS = ("trained", "random-dense", "random-moe")
@@ -46,7 +46,7 @@ def prepare_workdir(workdir: Path) -> None:
 def demo_source(model: str, out: Path) -> tuple[Path, str]:
     """The demo's BF16 source in `out`: the trained tiny checkpoint shipped with npuport, or random weights."""
     if model == "trained":
-        from npuport.train_tiny import trained_tiny_path
+        from npuport.fixtures.train_tiny import trained_tiny_path
 
         shutil.copytree(trained_tiny_path(), out, ignore=shutil.ignore_patterns("README.md"))
         return out, "trained tiny Qwen3.5 (dense, 1.6M parameters, trained with its MTP head on GSM8K)"
@@ -67,9 +67,9 @@ def run_demo(workdir: Path, model: str = "trained", log: Callable[[str], None] =
         raise NpuportError("demo artifact fails the contract check:\n  " + "\n  ".join(problems))
     log(f"[3/5] npuport check {result.out}: OK")
 
-    from npuport.release import package_release  # torch and the runtime: loaded late
-    from npuport.runtime.validate import ValidateOptions, run_validation
-    from npuport.verify_release import verify_release
+    from npuport.release.package import package_release  # torch and the runtime: loaded late
+    from npuport.release.verify import verify_release
+    from npuport.runtime.validation.validate import ValidateOptions, run_validation
 
     min_acceptance = DEMO_MIN_ACCEPTANCE if model == "trained" else None
     options = ValidateOptions(result.out, num_questions=DEMO_QUESTIONS, max_new_tokens=DEMO_NEW_TOKENS,

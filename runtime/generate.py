@@ -10,9 +10,9 @@ from dataclasses import dataclass
 
 import torch
 
+from npuport.devices import DeviceGraph, graphs_supported
 from npuport.errors import NpuportError
 from npuport.kernels.gated_delta_rule import VerifyLog
-from npuport.runtime.devices import DeviceGraph, graphs_supported
 from npuport.runtime.model import Qwen35
 from npuport.runtime.sampling import SamplingParams, accept_drafts, make_generator, sample
 from npuport.runtime.state import GDNState, ModelState, commit_accepted

@@ -16,10 +16,10 @@ from npuport.convert.ascend_writer import INDEX_NAME as ARTIFACT_INDEX_NAME
 from npuport.convert.qwen35_names import MTP_PREFIX, PER_EXPERT, text_prefix
 from npuport.convert.recipe import FLOAT, W8A8_DYNAMIC
 from npuport.convert.source import INDEX_NAME as SOURCE_INDEX_NAME
+from npuport.devices import pick_device
 from npuport.errors import ArtifactError, CheckpointError, NpuportError
 from npuport.jsonfile import read_json_object
 from npuport.runtime.config import ModelConfig, load_config
-from npuport.runtime.devices import pick_device
 from npuport.runtime.linear import Linear, W8A8Linear
 from npuport.runtime.model import Qwen35
 

@@ -14,12 +14,12 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from npuport.devices import graphs_supported
 from npuport.errors import NpuportError
 from npuport.kernels.causal_conv1d import causal_conv1d_fn, causal_conv1d_update
 from npuport.kernels.gated_delta_rule import chunk_gated_delta_rule, fused_recurrent_gated_delta_rule
 from npuport.kernels.gdn_gating import fused_gdn_gating
 from npuport.runtime.config import FULL_ATTENTION, ModelConfig
-from npuport.runtime.devices import graphs_supported
 from npuport.runtime.dispatch import dispatch, int8_dispatch
 from npuport.runtime.linear import Linear, QuantizedActivation, W8A8Linear
 from npuport.runtime.state import GDNState, KVCache, ModelState, new_mtp_state, new_target_state

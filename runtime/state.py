@@ -46,7 +46,7 @@ class KVCache:
 class GDNState:
     """One GatedDeltaNet layer's state.
 
-    recurrent [B, HV, K, V] fp32: each request's state S [K, V] (see kernels/gated_delta_rule.py).
+    recurrent [B, HV, K, V] fp32: each request's state S [K, V] (see kernels/gated_delta_rule/).
     log: with k > 0 drafts, the VerifyLog of the last verify step (k + 1 slots): a verify step leaves
     `recurrent` at its start and records each token's update; committing n tokens marks the first n entries
     pending, and the next step replays them before its own tokens - no state is copied or rolled back.

@@ -9,8 +9,8 @@ from pathlib import Path
 
 import torch
 
+from npuport.devices import pick_device
 from npuport.errors import NpuportError
-from npuport.runtime.devices import pick_device
 from npuport.runtime.generate import generate
 from npuport.runtime.loader import load_model
 from npuport.runtime.sampling import SamplingParams

@@ -6,7 +6,7 @@ from pathlib import Path
 
 import pytest
 
-from npuport.tiny_checkpoint import TinySpec, make_tiny
+from npuport.fixtures.tiny_checkpoint import TinySpec, make_tiny
 
 CHECKPOINT_KINDS = {
     "dense-multimodal": TinySpec(arch="dense", layout="multimodal"),

@@ -11,7 +11,7 @@ from click.testing import CliRunner
 from npuport.cli import main
 from npuport.convert.check import check_artifact
 from npuport.demo import DEMO_MIN_ACCEPTANCE, DEMO_QUESTIONS
-from npuport.verify_release import verify_release
+from npuport.release.verify import verify_release
 
 
 @pytest.mark.usefixtures("one_cpu_thread")

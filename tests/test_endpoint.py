@@ -14,8 +14,8 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 import pytest
 
 from npuport.errors import EndpointError, NpuportError
-from npuport.runtime.endpoint import CompletionsEndpoint, completions_url
-from npuport.runtime.gsm8k import GSM8KRecord, SGLangProtocol
+from npuport.runtime.validation.endpoint import CompletionsEndpoint, completions_url
+from npuport.runtime.validation.gsm8k import GSM8KRecord, SGLangProtocol
 
 Reply = tuple[int, bytes]
 FAST = {"timeout_s": 2.0, "backoff_s": 0.01}

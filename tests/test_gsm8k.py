@@ -7,7 +7,7 @@ import random
 import pytest
 
 from npuport.errors import NpuportError
-from npuport.runtime.gsm8k import (
+from npuport.runtime.validation.gsm8k import (
     AISBENCH_INSTRUCTION,
     AISBenchProtocol,
     GSM8KRecord,
@@ -206,7 +206,7 @@ def test_aisbench_prompt_without_and_with_the_artifacts_chat_template(tmp_path):
 
     from transformers import AutoTokenizer
 
-    from npuport.tiny_tokenizer import write_tokenizer
+    from npuport.fixtures.tiny_tokenizer import write_tokenizer
 
     write_tokenizer(tmp_path, 600)
     tokenizer = AutoTokenizer.from_pretrained(tmp_path)

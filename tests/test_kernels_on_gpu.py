@@ -23,6 +23,7 @@ import torch
 if not torch.cuda.is_available():
     pytest.skip("needs a CUDA GPU", allow_module_level=True)
 
+from npuport.devices import DeviceGraph  # noqa: E402
 from npuport.kernels.causal_conv1d import (  # noqa: E402
     causal_conv1d_fn,
     causal_conv1d_fn_reference,
@@ -47,7 +48,6 @@ from npuport.kernels.w8a8 import (  # noqa: E402
     quantize_per_token_int8,
     quantize_per_token_int8_reference,
 )
-from npuport.runtime.devices import DeviceGraph  # noqa: E402
 from npuport.runtime.generate import forward_logits, generate, prefill  # noqa: E402
 from npuport.runtime.loader import load_model  # noqa: E402
 

@@ -44,9 +44,9 @@ def test_quantization_kernel_rounds_half_to_even():
 def test_few_rows_on_a_gpu_quantize_in_wide_slices_exactly(monkeypatch):
     """The wide launch a GPU uses for few rows (one slice of 8192 over a row of 5000), run here in the
     interpreter: the same values as the reference."""
-    from npuport.kernels import w8a8
+    from npuport.kernels.w8a8 import quantize
 
-    monkeypatch.setattr(w8a8, "is_gpu", lambda device: True)
+    monkeypatch.setattr(quantize, "is_gpu", lambda device: True)
     assert quantize_launch(3, 5000, torch.device("cpu"))[0] == 8192
     x = 3 * torch.randn(3, 5000, generator=torch.Generator().manual_seed(5))
     got_q, got_scale = quantize_per_token_int8_triton(x)
@@ -63,14 +63,14 @@ def test_quantization_slices_stay_in_the_npu_budget_off_a_gpu(m, k):
 def test_the_gemm_overlaps_the_quantization_only_with_few_rows_where_the_device_can(monkeypatch):
     """The overlap (a dependent launch and an L2 prefetch: CUDA-only instructions) is asked for only with
     M <= FEW_ROWS on a device that has it - never in the interpreter - and only GPU launches carry the option."""
-    from npuport.kernels import w8a8
     from npuport.kernels.launch import launch_options
+    from npuport.kernels.w8a8 import quantize
 
     cpu = torch.device("cpu")
-    assert not w8a8.gemm_overlaps_quantization(1, cpu)
-    monkeypatch.setattr(w8a8, "dependent_launch", lambda device: True)
-    assert w8a8.gemm_overlaps_quantization(w8a8.FEW_ROWS, cpu)
-    assert not w8a8.gemm_overlaps_quantization(w8a8.FEW_ROWS + 1, cpu)
+    assert not quantize.gemm_overlaps_quantization(1, cpu)
+    monkeypatch.setattr(quantize, "dependent_launch", lambda device: True)
+    assert quantize.gemm_overlaps_quantization(quantize.FEW_ROWS, cpu)
+    assert not quantize.gemm_overlaps_quantization(quantize.FEW_ROWS + 1, cpu)
     assert launch_options(torch.device("cuda"), num_warps=4, dependent=True)["launch_pdl"] is True
     assert "launch_pdl" not in launch_options(torch.device("cuda"), num_warps=4)
     assert launch_options(cpu, num_warps=4, dependent=True) == {}

@@ -12,7 +12,7 @@ from click.testing import CliRunner
 from transformers import AutoConfig, AutoModelForCausalLM, AutoModelForImageTextToText, AutoTokenizer
 
 from npuport.cli import main
-from npuport.tiny_checkpoint import PRESETS, TinySpec, tensor_shapes
+from npuport.fixtures.tiny_checkpoint import PRESETS, TinySpec, tensor_shapes
 
 
 @pytest.mark.parametrize("kind", ["dense-multimodal", "dense-text", "moe-multimodal-fused", "moe-text-per-expert"])

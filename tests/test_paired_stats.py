@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from npuport.runtime.paired_stats import (
+from npuport.runtime.validation.paired_stats import (
     compare_paired,
     mcnemar_exact,
     paired_bootstrap_interval,

@@ -21,9 +21,11 @@ import npuport
 from npuport.checksums import copy_with_sha256
 from npuport.cli import main
 from npuport.convert.converter import convert_qwen35
-from npuport.release import ReleaseError, package_release
-from npuport.runtime.gsm8k import AISBenchProtocol, GSM8KRecord
-from npuport.runtime.report import (
+from npuport.fixtures.tiny_checkpoint import TinySpec, make_tiny
+from npuport.release.package import ReleaseError, package_release
+from npuport.release.verify import verify_release
+from npuport.runtime.validation.gsm8k import AISBenchProtocol, GSM8KRecord
+from npuport.runtime.validation.report import (
     AccuracyRow,
     Fidelity,
     Gate,
@@ -32,8 +34,6 @@ from npuport.runtime.report import (
     ValidationReport,
     write_report,
 )
-from npuport.tiny_checkpoint import TinySpec, make_tiny
-from npuport.verify_release import verify_release
 
 SOURCE_NAME = "Qwen3.5-tiny"
 LICENSE_TEXT = "                                 Apache License\n                           Version 2.0, January 2004\n"
@@ -305,7 +305,7 @@ def test_failing_artifact_is_refused_without_force_and_flagged_with_force(inputs
 
 def test_failure_midway_leaves_no_partial_release_or_archive(inputs: dict[str, Path], tmp_path: Path,
                                                             monkeypatch: pytest.MonkeyPatch) -> None:
-    import npuport.release as release_module
+    import npuport.release.package as release_module
 
     real_copy = release_module.copy_with_sha256
     calls = []

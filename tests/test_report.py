@@ -8,8 +8,8 @@ import pytest
 import torch
 
 import npuport
-from npuport.runtime.gsm8k import AISBenchProtocol, GSM8KRecord, SGLangProtocol
-from npuport.runtime.report import (
+from npuport.runtime.validation.gsm8k import AISBenchProtocol, GSM8KRecord, SGLangProtocol
+from npuport.runtime.validation.report import (
     AccuracyRow,
     Fidelity,
     MTPAcceptance,

@@ -15,8 +15,8 @@ import torch
 import npuport.kernels
 import npuport.runtime
 import npuport.runtime.model as runtime_model
+from npuport import devices
 from npuport.errors import NpuportError
-from npuport.runtime import devices
 from npuport.runtime.dispatch import (
     BF16_ENV,
     INT8_ENV,
@@ -30,16 +30,14 @@ from npuport.runtime.loader import load_model
 
 pytestmark = pytest.mark.usefixtures("one_cpu_thread")
 
-# The modules of this runtime (the folder also holds validation modules that are not part of it).
-RUNTIME_MODULES = ["config", "devices", "dispatch", "generate", "linear", "loader", "model", "sampling", "state",
-                   "textgen"]
 
 
 def runtime_sources() -> dict[str, str]:
+    """The engine's modules (runtime/ without its validation sub-package), the kernels and the device module."""
     runtime_dir = Path(npuport.runtime.__file__).parent
     kernels_dir = Path(npuport.kernels.__file__).parent
-    files = [runtime_dir / f"{m}.py" for m in RUNTIME_MODULES] + sorted(kernels_dir.glob("*.py"))
-    return {p.name if p.parent == runtime_dir else f"kernels/{p.name}": p.read_text() for p in files}
+    files = [*sorted(runtime_dir.glob("*.py")), *sorted(kernels_dir.rglob("*.py")), Path(devices.__file__)]
+    return {str(p.relative_to(p.parents[1])): p.read_text() for p in files}
 
 
 def test_dispatch_is_restored_on_exit_and_on_exceptions():
@@ -185,7 +183,7 @@ def test_device_choice_prefers_npu_then_cuda_then_cpu(monkeypatch):
 
 def test_only_devices_py_names_a_device():
     names = re.compile(r"""["'](npu|cuda|cpu)["']|torch\.(npu|cuda)\b|torch_npu|\.(cuda|npu)\(""")
-    found = {name: names.findall(src) for name, src in runtime_sources().items() if name != "devices.py"}
+    found = {name: names.findall(src) for name, src in runtime_sources().items() if name != "npuport/devices.py"}
     assert {name: hits for name, hits in found.items() if hits} == {}
 
 

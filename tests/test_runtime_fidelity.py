@@ -16,10 +16,10 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM
 
+from npuport.fixtures.tiny_checkpoint import TinySpec, make_tiny
 from npuport.runtime.generate import forward_logits, pad_prompts, prefill
 from npuport.runtime.loader import load_model
 from npuport.runtime.state import commit_accepted
-from npuport.tiny_checkpoint import TinySpec, make_tiny
 
 pytestmark = pytest.mark.usefixtures("one_cpu_thread")
 

@@ -11,13 +11,13 @@ import pytest
 import torch
 
 from npuport.convert.converter import convert_qwen35
+from npuport.fixtures.tiny_checkpoint import PRESETS, TinySpec, full_config, make_tiny, tensor_shapes
+from npuport.fixtures.train_tiny import TrainSpec, checkpoint_values, new_model, train_tiny, trained_tiny_path
 from npuport.runtime.config import ModelConfig
 from npuport.runtime.generate import generate
-from npuport.runtime.gsm8k import make_protocol
 from npuport.runtime.loader import load_model
 from npuport.runtime.textgen import load_tokenizer, stop_token_ids
-from npuport.tiny_checkpoint import PRESETS, TinySpec, full_config, make_tiny, tensor_shapes
-from npuport.train_tiny import TrainSpec, checkpoint_values, new_model, train_tiny, trained_tiny_path
+from npuport.runtime.validation.gsm8k import make_protocol
 
 pytestmark = pytest.mark.usefixtures("one_cpu_thread")
 

@@ -8,16 +8,16 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+from npuport.fixtures.train_tiny import RECORD_SEPARATOR, token_batches, trained_tiny_path
 from npuport.kernels.gated_delta_rule import (
     chunk_gated_delta_rule_reference,
     fused_recurrent_gated_delta_rule_reference,
 )
-from npuport.runtime.gsm8k import few_shot_prompt, load_records
 from npuport.runtime.loader import load_model
 from npuport.runtime.state import commit_accepted
 from npuport.runtime.textgen import load_tokenizer
 from npuport.runtime.training import sequence_losses
-from npuport.train_tiny import RECORD_SEPARATOR, token_batches, trained_tiny_path
+from npuport.runtime.validation.gsm8k import few_shot_prompt, load_records
 
 pytestmark = pytest.mark.usefixtures("one_cpu_thread")
 

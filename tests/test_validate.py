@@ -18,12 +18,14 @@ from click.testing import CliRunner
 from safetensors.torch import load_file, save_file
 
 from npuport.cli import main
-from npuport.runtime import throughput
-from npuport.runtime.completions import finish_completion
-from npuport.runtime.fidelity import greedy_token_agreement, kl_divergence
-from npuport.runtime.gates import accuracy_drop_gate
 from npuport.runtime.generate import generate
-from npuport.runtime.gsm8k import (
+from npuport.runtime.loader import load_model
+from npuport.runtime.textgen import load_tokenizer, stop_token_ids
+from npuport.runtime.validation import throughput
+from npuport.runtime.validation.completions import finish_completion
+from npuport.runtime.validation.fidelity import greedy_token_agreement, kl_divergence
+from npuport.runtime.validation.gates import accuracy_drop_gate
+from npuport.runtime.validation.gsm8k import (
     AISBENCH_INSTRUCTION,
     GSM8KRecord,
     SGLangProtocol,
@@ -31,10 +33,8 @@ from npuport.runtime.gsm8k import (
     gsm8k_path,
     make_protocol,
 )
-from npuport.runtime.loader import load_model
-from npuport.runtime.report import AccuracyRow
-from npuport.runtime.textgen import load_tokenizer, stop_token_ids
-from npuport.runtime.validate import THROUGHPUT_REPEATS
+from npuport.runtime.validation.report import AccuracyRow
+from npuport.runtime.validation.validate import THROUGHPUT_REPEATS
 
 pytestmark = pytest.mark.usefixtures("one_cpu_thread")
 

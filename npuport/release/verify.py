@@ -9,8 +9,8 @@ from npuport.checksums import SUMS_NAME, parse_sums, sha256_file
 from npuport.convert.check import check_artifact
 from npuport.convert.converter import MANIFEST_NAME
 from npuport.errors import NpuportError
-from npuport.model_card import FORCED_MARK, read_front_matter
-from npuport.release import (
+from npuport.release.model_card import FORCED_MARK, read_front_matter
+from npuport.release.package import (
     CARD_NAME,
     RECIPE_SUFFIX,
     REPORT_NAME,
@@ -19,7 +19,7 @@ from npuport.release import (
     load_report,
     recipe_files,
 )
-from npuport.results_table import compare_results, parse_results_table
+from npuport.release.results_table import compare_results, parse_results_table
 
 FRONT_MATTER_KEYS = ("license", "base_model", "tags")
 

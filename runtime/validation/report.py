@@ -11,8 +11,8 @@ from pathlib import Path
 from typing import Any
 
 import npuport
-from npuport.runtime.gsm8k import GSM8KResult, Score
-from npuport.runtime.paired_stats import (
+from npuport.runtime.validation.gsm8k import GSM8KResult, Score
+from npuport.runtime.validation.paired_stats import (
     DEFAULT_CONFIDENCE,
     DEFAULT_RESAMPLES,
     PairedComparison,

@@ -16,8 +16,8 @@ from pathlib import Path
 from typing import Any
 
 from npuport.errors import NpuportError
-from npuport.runtime.completions import RuntimeCompletions
 from npuport.runtime.sampling import SamplingParams
+from npuport.runtime.validation.completions import RuntimeCompletions
 
 DEFAULT_HOST = "127.0.0.1"
 DEFAULT_MAX_TOKENS = 16  # the OpenAI API's default for /v1/completions

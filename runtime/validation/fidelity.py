@@ -10,7 +10,7 @@ import torch
 
 from npuport.runtime.generate import forward_logits
 from npuport.runtime.model import Qwen35
-from npuport.runtime.report import Fidelity
+from npuport.runtime.validation.report import Fidelity
 
 KL_CHUNK = 256  # positions whose float32 log-probabilities are held at once (x 2 models x vocabulary)
 

@@ -11,7 +11,7 @@ import torch
 from npuport.errors import NpuportError
 from npuport.runtime.generate import generate
 from npuport.runtime.model import Qwen35
-from npuport.runtime.report import ThroughputRun
+from npuport.runtime.validation.report import ThroughputRun
 
 WARMUP_TOKENS = 2  # a warm-up call reaches every code path a timed one takes (prefill, decode or verify)
 

@@ -24,8 +24,8 @@ from npuport.convert.check import check_artifact
 from npuport.convert.converter import GB, MANIFEST_NAME
 from npuport.errors import NpuportError
 from npuport.jsonfile import read_json_object
-from npuport.model_card import CardFacts, license_id, render_model_card
-from npuport.runtime.report import REPORT_FORMAT
+from npuport.release.model_card import CardFacts, license_id, render_model_card
+from npuport.runtime.validation.report import REPORT_FORMAT
 
 CARD_NAME = "README.md"
 VALIDATION_DIR = "validation"
@@ -46,7 +46,7 @@ class ReleaseError(NpuportError):
 
 
 def load_report(path: Path) -> dict[str, Any]:
-    """A validation report.json (runtime/report.py's format), with its gates checked for shape."""
+    """A validation report.json (runtime/validation/report.py's format), with its gates checked for shape."""
     data = read_json_object(path, ReleaseError)
     if data.get("format") != REPORT_FORMAT:
         raise ReleaseError(f"{path}: not an npuport validation report (format {data.get('format')!r}, "

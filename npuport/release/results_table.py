@@ -6,7 +6,7 @@ from __future__ import annotations
 from dataclasses import dataclass, replace
 from typing import Any
 
-from npuport.runtime.report import _THROUGHPUT_COLUMNS
+from npuport.runtime.validation.report import _THROUGHPUT_COLUMNS
 
 HEADING = "## Measured results"
 MISSING = "–"

@@ -13,9 +13,9 @@ import yaml
 from npuport import __version__
 from npuport.convert.qwen35_names import split_param
 from npuport.convert.recipe import W8A8_DYNAMIC
-from npuport.results_table import HEADING as RESULTS_HEADING
-from npuport.results_table import model_labels, render_results_table
-from npuport.runtime.gsm8k import PROTOCOLS
+from npuport.release.results_table import HEADING as RESULTS_HEADING
+from npuport.release.results_table import model_labels, render_results_table
+from npuport.runtime.validation.gsm8k import PROTOCOLS
 
 FORCED_MARK = "WARNING: packaged with --force"
 TAGS = ("npuport", "w8a8", "int8", "msmodelslim", "ascend", "vllm-ascend", "sglang", "mtp")

@@ -3,7 +3,7 @@ acceptance length no lower than a floor (VALIDATION.md, "Tolerances in use elsew
 
 from __future__ import annotations
 
-from npuport.runtime.report import AccuracyRow, Gate, MTPAcceptance
+from npuport.runtime.validation.report import AccuracyRow, Gate, MTPAcceptance
 
 DEFAULT_MAX_ACCURACY_DROP = 1.0  # points: vllm-ascend nightly's |accuracy - baseline| <= 1 on most GSM8K cases
 

@@ -11,13 +11,13 @@ from pathlib import Path
 import torch
 
 from npuport.errors import NpuportError
-from npuport.runtime.endpoint import EndpointBatch, EndpointCompletion
 from npuport.runtime.generate import AcceptanceStats, generate
-from npuport.runtime.gsm8k import cut_at_stop
 from npuport.runtime.loader import load_model
 from npuport.runtime.model import Qwen35
 from npuport.runtime.sampling import SamplingParams
 from npuport.runtime.textgen import DTYPES, load_tokenizer, stop_token_ids
+from npuport.runtime.validation.endpoint import EndpointBatch, EndpointCompletion
+from npuport.runtime.validation.gsm8k import cut_at_stop
 
 Decode = Callable[[Sequence[int]], str]
 

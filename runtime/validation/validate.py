@@ -15,14 +15,15 @@ from typing import Any
 import torch
 
 from npuport.checksums import format_sums, sha256_file
+from npuport.devices import pick_device
 from npuport.errors import NpuportError
-from npuport.runtime.completions import RuntimeBatch, RuntimeCompletions
-from npuport.runtime.devices import pick_device
-from npuport.runtime.endpoint import CompletionsEndpoint, EndpointBatch
-from npuport.runtime.fidelity import measure_fidelity
-from npuport.runtime.gates import DEFAULT_MAX_ACCURACY_DROP, acceptance_gate, accuracy_drop_gate
 from npuport.runtime.generate import AcceptanceStats
-from npuport.runtime.gsm8k import (
+from npuport.runtime.textgen import load_tokenizer
+from npuport.runtime.validation.completions import RuntimeBatch, RuntimeCompletions
+from npuport.runtime.validation.endpoint import CompletionsEndpoint, EndpointBatch
+from npuport.runtime.validation.fidelity import measure_fidelity
+from npuport.runtime.validation.gates import DEFAULT_MAX_ACCURACY_DROP, acceptance_gate, accuracy_drop_gate
+from npuport.runtime.validation.gsm8k import (
     DEFAULT_PROTOCOL,
     LM_EVAL_SEED,
     MAX_NEW_TOKENS,
@@ -30,7 +31,7 @@ from npuport.runtime.gsm8k import (
     GSM8KResult,
     make_protocol,
 )
-from npuport.runtime.report import (
+from npuport.runtime.validation.report import (
     AccuracyRow,
     Gate,
     MTPAcceptance,
@@ -39,8 +40,7 @@ from npuport.runtime.report import (
     ValidationReport,
     write_report,
 )
-from npuport.runtime.textgen import load_tokenizer
-from npuport.runtime.throughput import measure_throughput
+from npuport.runtime.validation.throughput import measure_throughput
 
 COMPLETIONS_NAME = "completions.jsonl"
 CANDIDATE_LABEL = "W8A8"

@@ -1,19 +1,5 @@
-"""W8A8_DYNAMIC matmul: per-token symmetric int8 activation quantization, int8 x int8 -> int32 matmul, and the
-rescale by activation and weight scales (CONTRACT.md: x_q = round(x / s_x), s_x = max|x_row| / 127,
-y = (x_q @ W_q^T) * s_x * s_w).
-
-The Triton path is two kernels: the quantization, and the GEMM with the rescale in its epilogue (bf16 out).
-A split-K tile config (GemmConfig.split_k > 1) has the GEMM store int32 partial sums over K slices to a
-workspace instead, and a third kernel adds them up (integer addition: exact) and applies the same epilogue.
-With few rows (M <= FEW_ROWS) on a GPU that has dependent launch (Hopper on), the GEMM starts while the
-quantization still runs, asks the L2 for the first PREFETCH_BYTES of each weight row it will read first, and
-then waits for the quantization's results: the weight streams during the quantization instead of after it.
-All are bit-exact against the references. On an H200 (bench/RESULTS.md) quantize + GEMM matches or beats BF16
-F.linear at every size measured at the 27B shapes (M = 1..16384: 0.98-1.85x), so there is no fallback; nor would one
-help: with only int8 weights in memory no faster exact path exists - a BF16 copy of the weight would double
-its memory, a bf16 GEMM on the int8 values sums in fp32, exact only while every partial sum stays below 2^24,
-and torch._int_mm (cuBLASLt's int8 GEMM) plus the rescale was slower than these kernels at every size tried.
-"""
+"""The int8 x int8 -> int32 GEMM with the per-token x per-channel rescale in its epilogue (split-K through an
+int32 workspace and a summing kernel), its candidate tiles, their tuning, and the dispatcher."""
 
 from __future__ import annotations
 
@@ -21,10 +7,9 @@ from dataclasses import dataclass
 
 import torch
 
+from npuport.devices import timed_graph, with_index
 from npuport.kernels.launch import (
     L2_LINE_BYTES,
-    dependent_launch,
-    is_cpu,
     is_gpu,
     is_npu,
     jit,
@@ -33,23 +18,17 @@ from npuport.kernels.launch import (
     next_power_of_2,
     persistent_grid,
     prefetch_to_l2,
-    start_dependent_kernel,
     tl,
     use_triton,
     wait_for_previous_kernel,
 )
-from npuport.runtime.devices import timed_graph, with_index
+from npuport.kernels.w8a8.naive import int8_matmul_rescale_reference
+from npuport.kernels.w8a8.quantize import gemm_overlaps_quantization
 
-QMAX = 127
-# An all-zero row would get scale 0; any positive scale quantizes it to zeros, so floor it.
-SCALE_FLOOR = 1e-12
-
-
-def quantize_per_token_int8(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """x [M, K] (any float dtype) -> x_q int8 [M, K], x_scale fp32 [M, 1] (round half to even)."""
-    if use_triton(x):
-        return quantize_per_token_int8_triton(x)
-    return quantize_per_token_int8_reference(x)
+# What the overlapping GEMM asks the L2 for, per weight row of its first tile, before it waits: 512 B was the
+# fastest of 128 B..8 KiB (and of bulk prefetches of 256 B..2 KiB) on an H200 at M = 1..64 of the 27B shapes
+# (bench/RESULTS.md); more crowds out the loads the GEMM waits on.
+PREFETCH_BYTES = 512
 
 
 def int8_matmul_rescale(
@@ -60,107 +39,6 @@ def int8_matmul_rescale(
     if use_triton(x_q) and out_dtype != torch.float64:
         return int8_matmul_rescale_triton(x_q, x_scale, w_q, w_scale, out_dtype)
     return int8_matmul_rescale_reference(x_q, x_scale, w_q, w_scale, out_dtype)
-
-
-def quantize_per_token_int8_reference(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    xf = x.float()
-    amax = xf.abs().amax(dim=-1, keepdim=True)
-    # A true division: on CUDA, dividing by a Python number multiplies by its reciprocal instead (an ulp off).
-    scale = (amax / torch.full_like(amax, QMAX)).clamp_min(SCALE_FLOOR)
-    x_q = (xf / scale).round().clamp(-QMAX - 1, QMAX).to(torch.int8)
-    return x_q, scale
-
-
-def int8_matmul_rescale_reference(
-    x_q: torch.Tensor, x_scale: torch.Tensor, w_q: torch.Tensor, w_scale: torch.Tensor, out_dtype: torch.dtype
-) -> torch.Tensor:
-    # int32 accumulation is exact for K < 2**31 / 128**2 = 131072, far beyond any hidden size here. GPUs have
-    # no int32 matmul in torch: there float64 holds the same sums exactly (|sum| < 2**31 < 2**53).
-    if is_cpu(x_q.device):
-        acc = x_q.to(torch.int32) @ w_q.to(torch.int32).T  # [M, N] int32
-    else:
-        acc = (x_q.double() @ w_q.double().T).to(torch.int32)
-    rescale = torch.promote_types(out_dtype, torch.float32)
-    y = acc.to(rescale) * x_scale.to(rescale) * w_scale.to(rescale).T
-    return y.to(out_dtype)
-
-
-@jit
-def _div_rn(x, y):
-    """x / y rounded to nearest, as the reference's IEEE division, from a GPU's division (within a few ulps):
-    two corrections of the quotient by its exact residual x - q y (an fma)."""
-    q = x / y
-    inv = 1.0 / y
-    q = tl.fma(tl.fma(-q, y, x), inv, q)
-    return tl.fma(tl.fma(-q, y, x), inv, q)
-
-
-# NPU budget: one [BLOCK_K] fp32 row slice, 4096 x 4 B x 3 live = 48 KiB.
-@jit
-def _quantize_kernel(x, x_q, x_scale, M, K, sx_m, sq_m, BLOCK_K: tl.constexpr, START_GEMM: tl.constexpr):
-    """START_GEMM (GPU only): let the GEMM launched after it as dependent start right away."""
-    if START_GEMM:
-        start_dependent_kernel()
-    cols = tl.arange(0, BLOCK_K)
-    for row in range(tl.program_id(0), M, tl.num_programs(0)):
-        x_row = x + tl.cast(row, tl.int64) * sx_m
-        amax = tl.zeros([BLOCK_K], dtype=tl.float32)
-        for k0 in range(0, K, BLOCK_K):
-            part = tl.load(x_row + k0 + cols, mask=k0 + cols < K, other=0.0).to(tl.float32)
-            amax = tl.maximum(amax, tl.abs(part))
-        scale = tl.maximum(_div_rn(tl.max(amax, 0), 127.0), 1e-12)
-        tl.store(x_scale + row, scale)
-        for k0 in range(0, K, BLOCK_K):
-            ok = k0 + cols < K
-            y = _div_rn(tl.load(x_row + k0 + cols, mask=ok, other=0.0).to(tl.float32), scale)
-            # round half to even, exactly: y - floor(y) is exact for |y| <= 128
-            whole = tl.floor(y)
-            frac = y - whole
-            q = whole.to(tl.int32)
-            q += ((frac > 0.5) | ((frac == 0.5) & ((q & 1) == 1))).to(tl.int32)
-            q = tl.minimum(tl.maximum(q, -128), 127)
-            tl.store(x_q + tl.cast(row, tl.int64) * sq_m + k0 + cols, q.to(tl.int8), mask=ok)
-
-
-def quantize_per_token_int8_triton(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """The Triton kernel behind quantize_per_token_int8 (any device; CPU tensors run in Triton's interpreter)."""
-    if x.stride(-1) != 1:
-        x = x.contiguous()
-    m, k = x.shape
-    x_q = torch.empty(m, k, dtype=torch.int8, device=x.device)
-    x_scale = torch.empty(m, 1, dtype=torch.float32, device=x.device)
-    block_k, warps = quantize_launch(m, k, x.device)
-    launch(_quantize_kernel, persistent_grid(x.device, m), x, x_q, x_scale, m, k, x.stride(0), x_q.stride(0),
-           BLOCK_K=block_k, START_GEMM=gemm_overlaps_quantization(m, x.device),
-           **launch_options(x.device, num_warps=warps))
-    return x_q, x_scale
-
-
-# Up to this many rows a GPU quantizes with few, wide programs (one per row, latency-bound), and the GEMM
-# overlaps the quantization where the GPU can (gemm_overlaps_quantization).
-FEW_ROWS = 64
-# What the overlapping GEMM asks the L2 for, per weight row of its first tile, before it waits: 512 B was the
-# fastest of 128 B..8 KiB (and of bulk prefetches of 256 B..2 KiB) on an H200 at M = 1..64 of the 27B shapes
-# (bench/RESULTS.md); more crowds out the loads the GEMM waits on.
-PREFETCH_BYTES = 512
-
-
-def gemm_overlaps_quantization(m: int, device: torch.device) -> bool:
-    """Whether the GEMM of M rows launches as dependent on the quantization before it (launch.dependent_launch):
-    with few rows on a GPU that can. With many rows the waiting GEMM programs would hold SMs the quantization
-    needs (measured: slower from M = 128..256 on, bench/RESULTS.md)."""
-    return m <= FEW_ROWS and dependent_launch(device)
-
-
-def quantize_launch(m: int, k: int, device: torch.device) -> tuple[int, int]:
-    """(BLOCK_K, warps) of the quantization of [M, K]. Slices of at most 4096 on 4-8 warps; on a GPU with few rows
-    the row in one or two slices of up to 8192 on 16 or 32 warps, which took 2-7% off quantize + GEMM at
-    M = 1..64 on an H200 (bench/RESULTS.md). The NPU keeps 4096 (its on-chip budget, at the kernel)."""
-    full = max(16, next_power_of_2(k))
-    if is_gpu(device) and m <= FEW_ROWS:
-        return (min(8192, full), 16) if k <= 8192 else (4096, 32)
-    block_k = min(4096, full)
-    return block_k, 8 if block_k >= 2048 else 4
 
 
 @jit

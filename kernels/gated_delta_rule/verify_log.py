@@ -1,0 +1,72 @@
+"""What a verify step keeps of its tokens' state updates (VerifyLog) and how the accepted ones are applied
+to the state afterwards (replay_pending): shared by the kernel and its reference."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, fields
+
+import torch
+
+
+@dataclass
+class VerifyLog:
+    """The per-token state updates of the last verify step, for up to S tokens per request (QWEN35.md: "the
+    state after each of the k + 1 tokens"): the state after token t is
+    S_t = exp(log_decay_t) S_{t-1} + keys_t writes_t^T, from the state the step started at.
+
+    keys [2, B, S, H, K] (unit-norm), log_decay [2, B, S, HV], writes [2, B, S, HV, V], all fp32 (float64 for
+    float64 states). Two halves: a step reads the entries of half `side` [1] (long) and writes its own into
+    the other, so no kernel program overwrites an entry that another has still to read; `keep` flips it.
+    pending [B] (long): how many of the recorded entries request b keeps; the next step replays those first.
+    """
+
+    keys: torch.Tensor
+    log_decay: torch.Tensor
+    writes: torch.Tensor
+    side: torch.Tensor
+    pending: torch.Tensor
+
+    @classmethod
+    def empty(cls, batch: int, slots: int, key_heads: int, value_heads: int, k_dim: int, v_dim: int,
+              dtype: torch.dtype, device: torch.device) -> VerifyLog:
+        def zeros(*shape):
+            return torch.zeros(2, batch, slots, *shape, dtype=dtype, device=device)
+
+        return cls(zeros(key_heads, k_dim), zeros(value_heads), zeros(value_heads, v_dim),
+                   torch.zeros(1, dtype=torch.long, device=device), torch.zeros(batch, dtype=torch.long, device=device))
+
+    @property
+    def slots(self) -> int:
+        return self.keys.shape[2]
+
+    def keep(self, n: torch.Tensor) -> None:
+        """After a verify step: request b keeps its first n[b] tokens (0..S); their entries become pending."""
+        self.pending.copy_(n)
+        self.side.bitwise_xor_(1)
+
+    def clear(self) -> None:
+        """Nothing pending: the state already is the committed one (after a prefill)."""
+        self.pending.zero_()
+
+    def clone(self) -> VerifyLog:
+        return VerifyLog(*(getattr(self, f.name).clone() for f in fields(self)))
+
+
+def replay_pending(state: torch.Tensor, log: VerifyLog) -> torch.Tensor:
+    """state [B, HV, K, V] with each request's pending log entries applied (a new tensor): the committed
+    state when a verify step's tokens were kept."""
+    side = int(log.side)
+    group = log.writes.shape[3] // log.keys.shape[3]
+    out = state.clone()
+    for j in range(int(log.pending.max()) if log.pending.numel() else 0):
+        keys = log.keys[side, :, j].repeat_interleave(group, dim=1)  # [B, HV, K]
+        stepped = out * log.log_decay[side, :, j].exp()[..., None, None]
+        stepped = stepped + keys[..., :, None] * log.writes[side, :, j, :, None, :]
+        out = torch.where((log.pending > j)[:, None, None, None], stepped, out)
+    return out
+
+
+
+def check_log_room(log: VerifyLog, tokens: int) -> None:
+    if tokens > log.slots:
+        raise ValueError(f"a verify step of {tokens} tokens needs {tokens} log slots, the log has {log.slots}")
