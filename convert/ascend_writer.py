@@ -7,11 +7,12 @@ from __future__ import annotations
 import json
 import threading
 from collections.abc import Callable
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import FIRST_EXCEPTION, ThreadPoolExecutor, wait
 from pathlib import Path
 
 from npuport.convert.plan import Plan, Unit
 from npuport.convert.safetensors_io import MappedShards, ShardWriter, shard_file_size
+from npuport.output_folder import signals_held
 
 DESCRIPTION_NAME = "quant_model_description.json"
 INDEX_NAME = "quant_model_weights.safetensors.index.json"
@@ -33,12 +34,19 @@ def planned_size(plan: Plan) -> int:
     return sum(shard_file_size([s for u in shard for s in u.specs], SHARD_METADATA) for shard in plan.shards)
 
 
+class _StopWriting(Exception):
+    """Raised in a worker at its next block once the conversion stops (Ctrl-C, SIGTERM, another shard failed)."""
+
+
 def write_shards(plan: Plan, out: Path, workers: int, on_unit: Callable[[Unit], None]) -> None:
     """Write every shard of `plan` into `out`; `workers` shards at a time, the same bytes for any count.
-    `on_unit` is called (under a lock) after each unit is written, for progress."""
+    `on_unit` is called (under a lock) after each unit is written, for progress. When the writing stops - an
+    error, or Ctrl-C / SIGTERM in the main thread - no queued shard is started and the running ones stop at
+    their next block, before this returns (or raises)."""
     names = shard_names(len(plan.shards))
     reader = MappedShards()
     lock = threading.Lock()
+    stop = threading.Event()
 
     def advance(unit: Unit) -> None:
         with lock:
@@ -50,6 +58,8 @@ def write_shards(plan: Plan, out: Path, workers: int, on_unit: Callable[[Unit], 
         try:
             for u in units:
                 for name, piece in u.produce(reader):
+                    if stop.is_set():
+                        raise _StopWriting
                     writer.write(name, piece)
                 advance(u)
         except BaseException:
@@ -62,14 +72,31 @@ def write_shards(plan: Plan, out: Path, workers: int, on_unit: Callable[[Unit], 
             for k in range(len(names)):
                 write_one(k)
         else:
-            with ThreadPoolExecutor(max_workers=workers) as pool:
-                for f in [pool.submit(write_one, k) for k in range(len(names))]:
-                    f.result()
+            _write_in_pool(write_one, len(names), workers, stop)
     finally:
         reader.close()
     weight_map = {s.name: names[k] for k, shard in enumerate(plan.shards) for u in shard for s in u.specs}
     index = {"metadata": {"total_size": plan.total_bytes}, "weight_map": weight_map}
     write_json(out / INDEX_NAME, index)
+
+
+def _write_in_pool(write_one: Callable[[int], None], n: int, workers: int, stop: threading.Event) -> None:
+    """write_one(0..n-1) on `workers` threads. On the first failure, or an interrupt of the waiting main thread,
+    the queued calls are cancelled and `stop` set, and the running ones are waited for (signals held meanwhile:
+    they stop within a block, and the partial folder must not be removed under them)."""
+    pool = ThreadPoolExecutor(max_workers=workers)
+    try:
+        futures = [pool.submit(write_one, k) for k in range(n)]
+        wait(futures, return_when=FIRST_EXCEPTION)
+        failed = next((f for f in futures if f.done() and f.exception() is not None), None)
+        if failed is not None:
+            failed.result()
+    except BaseException:
+        stop.set()
+        with signals_held():
+            pool.shutdown(wait=True, cancel_futures=True)
+        raise
+    pool.shutdown(wait=True)
 
 
 def write_description(plan: Plan, out: Path) -> None:

@@ -10,7 +10,9 @@ from npuport.convert.labels import engine_float_reason
 from npuport.convert.qwen35_names import FUSED_EXPERTS, fused_group, is_linear_weight, is_mtp, split_param
 from npuport.convert.recipe import FLOAT, W8A8_DYNAMIC
 from npuport.convert.safetensors_io import MappedShards, TensorEntry, read_header
-from npuport.errors import CheckpointError
+from npuport.convert.source import ModelConfig, config_problems
+from npuport.errors import ArtifactError, NpuportError
+from npuport.paths import file_inside
 
 QUANT_PARAMS = ("weight", "weight_scale", "weight_offset")
 SOURCE_ONLY_FILES = ("model.safetensors.index.json", "model.safetensors")
@@ -18,7 +20,11 @@ SOURCE_ONLY_FILES = ("model.safetensors.index.json", "model.safetensors")
 
 def _load_json(path: Path, problems: list[str]) -> dict | None:
     try:
+        file_inside(path.parent, path.name, "the artifact", ArtifactError)
         data = json.loads(path.read_text(encoding="utf-8"))
+    except ArtifactError as e:
+        problems.append(_relative(e, path.parent))
+        return None
     except (OSError, ValueError) as e:
         problems.append(f"{path.name}: cannot be read as JSON ({e})")
         return None
@@ -28,6 +34,11 @@ def _load_json(path: Path, problems: list[str]) -> dict | None:
     return data
 
 
+def _relative(error: NpuportError, art: Path) -> str:
+    """An error's message without the artifact folder in front of the file it names."""
+    return str(error).replace(f"{art}/", "").replace(f"{art}: ", "")
+
+
 def _read_shards(art: Path, problems: list[str]) -> dict[str, TensorEntry]:
     index = _load_json(art / INDEX_NAME, problems) if (art / INDEX_NAME).exists() else None
     if index is None:
@@ -35,19 +46,24 @@ def _read_shards(art: Path, problems: list[str]) -> dict[str, TensorEntry]:
             problems.append(f"{INDEX_NAME} is missing (written even for one shard)")
         return {}
     weight_map = index.get("weight_map") or {}
+    if not isinstance(weight_map, dict) or not all(isinstance(shard, str) for shard in weight_map.values()):
+        problems.append(f"{INDEX_NAME}: weight_map must map each tensor name to a shard file name")
+        return {}
     entries: dict[str, TensorEntry] = {}
+    read: set[str] = set()
     for shard in sorted(set(weight_map.values())):
         try:
-            found, _ = read_header(art / shard)
-        except CheckpointError as e:
-            problems.append(str(e).replace(str(art) + "/", ""))
+            found, _ = read_header(file_inside(art, shard, INDEX_NAME, ArtifactError))
+        except NpuportError as e:
+            problems.append(_relative(e, art))
             continue
+        read.add(shard)
         for name, entry in found.items():
             if weight_map.get(name) != shard:
                 problems.append(f"{shard}: tensor {name} is not mapped to this shard in {INDEX_NAME}")
             entries[name] = entry
     for name, shard in weight_map.items():
-        if name not in entries and (art / shard).exists():
+        if name not in entries and shard in read:
             problems.append(f"{INDEX_NAME}: maps {name} to {shard}, which does not contain it")
     total = (index.get("metadata") or {}).get("total_size")
     if total != sum(e.nbytes for e in entries.values()):
@@ -56,6 +72,15 @@ def _read_shards(art: Path, problems: list[str]) -> dict[str, TensorEntry]:
         if p.name not in set(weight_map.values()):
             problems.append(f"{p.name}: a safetensors file not named by {INDEX_NAME}")
     return entries
+
+
+def _config_problems(config: dict, entries: dict[str, TensorEntry]) -> list[str]:
+    """The tensors against config.json, by the rule convert and the loader apply (convert.source)."""
+    try:
+        sizes = ModelConfig.from_dict(config, "config.json")
+    except NpuportError as e:
+        return [str(e)]
+    return config_problems(sizes, {name: e.shape for name, e in entries.items()})
 
 
 def _check_quantized(module: str, entries: dict[str, TensorEntry], desc: dict, reader: MappedShards,
@@ -106,6 +131,8 @@ def check_artifact(art: Path) -> list[str]:
         if isinstance(config.get("text_config"), dict) and "quantization_config" in config["text_config"]:
             problems.append("config.json: text_config has quantization_config (sglang reads it instead)")
     entries = _read_shards(art, problems)
+    if config is not None and entries:
+        problems += _config_problems(config, entries)
     desc = _load_json(descs[0], problems) if len(descs) == 1 else None
     if desc is None:
         return problems

@@ -1,7 +1,8 @@
 """`npuport convert-qwen35 --a8w8`: a Qwen3.5 BF16 source folder -> an msModelSlim-format W8A8 artifact.
 
 Everything is checked before a byte is written (source headers, recipe, disk space); the artifact is
-built in a temporary folder beside OUT, checked against the contract, and only then renamed into place.
+built in a hidden folder beside OUT (npuport.output_folder), checked against the contract, and only then
+swapped into place.
 """
 
 from __future__ import annotations
@@ -31,9 +32,7 @@ from npuport.convert.plan import Plan, Unit, build_plan
 from npuport.convert.recipe import Recipe, default_recipe_path, load_recipe
 from npuport.convert.source import INDEX_NAME, SourceCheckpoint, open_source
 from npuport.errors import ArtifactError, NpuportError
-
-MANIFEST_NAME = "npuport_manifest.json"
-GB = 1024**3
+from npuport.output_folder import GB, MANIFEST_NAME, MANIFEST_TOOL, OutputFolder
 
 
 @dataclass
@@ -70,17 +69,9 @@ def best_practice_name(src: Path) -> str:
     return re.sub(r"[^A-Za-z0-9._-]+", "_", src.resolve().name) + "_best_practice.yaml"
 
 
-def _check_disk(out_parent: Path, needed: int) -> None:
-    free = shutil.disk_usage(out_parent).free
-    if needed > free * 0.98:
-        raise NpuportError(
-            f"not enough disk space in {out_parent}: the artifact needs {needed / GB:.2f} GB, {free / GB:.2f} GB free"
-        )
-
-
 def _manifest(src: SourceCheckpoint, recipe: Recipe, plan: Plan, source_checksums: dict[str, str]) -> dict:
     return {
-        "tool": "npuport",
+        "tool": MANIFEST_TOOL,
         "version": __version__,
         "command": "convert-qwen35 --a8w8",
         "scheme": "W8A8_DYNAMIC",
@@ -108,10 +99,8 @@ def convert_qwen35(
     """Convert the Qwen3.5 BF16 checkpoint in `src` into a W8A8_DYNAMIC artifact at `out`."""
     t0 = time.perf_counter()
     src, out = Path(src), Path(out)
-    if out.exists() and not force:
-        raise NpuportError(f"{out} already exists; pass --force to replace it")
-    if out.resolve() == src.resolve():
-        raise NpuportError("the output folder must differ from the source folder")
+    folder = OutputFolder(out, NpuportError, log)
+    folder.prepare({"source": src}, force)
     source = open_source(src)
     recipe = load_recipe(recipe_path or default_recipe_path(source.is_moe), allow_unsupported=skip_unsupported)
     for note in recipe.notes:
@@ -120,12 +109,8 @@ def convert_qwen35(
     plan = build_plan(source, recipe, part_bytes)
     _log_plan(plan, log)
     copies = copied_files(src)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    _check_disk(out.parent, planned_size(plan) + sum(p.stat().st_size for p in copies) + 1024 * 1024)
-    tmp = out.parent / f".{out.name}.npuport-partial"
-    shutil.rmtree(tmp, ignore_errors=True)
-    tmp.mkdir()
-    try:
+    needed = planned_size(plan) + sum(p.stat().st_size for p in copies) + 1024 * 1024
+    with folder.building(needed, "artifact") as tmp:
         total = sum(u.source_bytes for u in plan.units)
         n_tensors = sum(len(u.specs) for u in plan.units)
         done = [0]
@@ -146,24 +131,9 @@ def convert_qwen35(
         problems = check_artifact(tmp)
         if problems:
             raise ArtifactError("the written artifact fails the contract check:\n  " + "\n  ".join(problems))
-        _replace(tmp, out)
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise
+        folder.commit()
     written = sum(p.stat().st_size for p in out.iterdir())
     return ConversionResult(out, plan, recipe, time.perf_counter() - t0, written)
-
-
-def _replace(tmp: Path, out: Path) -> None:
-    """Move the finished artifact into place; an existing OUT (--force) is removed only afterwards."""
-    old = None
-    if out.exists():
-        old = out.parent / f".{out.name}.npuport-old"
-        shutil.rmtree(old, ignore_errors=True)
-        out.rename(old)
-    tmp.rename(out)
-    if old is not None:
-        shutil.rmtree(old, ignore_errors=True)
 
 
 def _log_plan(plan: Plan, log: Callable[[str], None]) -> None:

@@ -2,12 +2,16 @@
 
 The one place where names are matched against a recipe. msModelSlim's own lab_practice recipes load
 unchanged; what npuport does not implement (smoothing, calibration data, static or low-bit schemes) is
-named in a clear message instead of being silently ignored.
+named in a clear message instead of being silently ignored, and so is a key the schema does not have (a
+misspelt `exclued:` would otherwise quantize what the user meant to exclude).
 """
 
 from __future__ import annotations
 
+import difflib
 import fnmatch
+import reprlib
+from collections.abc import Collection
 from dataclasses import dataclass, field
 from importlib import resources
 from pathlib import Path
@@ -27,6 +31,31 @@ _DYNAMIC_QCONFIG = {
 _CALIBRATION_KEYS = {"dataset", "default_text", "calib_dataset", "calib_cfg", "runner", "anti_cfg", "calib_save_params"}
 # Process types that change weights with calibration data before quantization.
 _UNSUPPORTED_PROCESS = {"iter_smooth", "flex_smooth_quant", "smooth_quant", "anti_outlier", "awq", "gptq", "ssz"}
+
+# The keys msModelSlim's schema (modelslim_v1, multimodal_vlm_modelslim_v1) has at the levels npuport reads;
+# any other key there is refused. The top level takes any key (recipes park YAML anchors there), and steps
+# npuport does not implement are refused or skipped whole, so their keys are not checked.
+_SPEC_KEYS = ("process", "save", "prior", *sorted(_CALIBRATION_KEYS))
+_STEP_KEYS = {"linear_quant": ("type", "qconfig", "include", "exclude"), "group": ("type", "configs")}
+_QCONFIG_KEYS = ("act", "weight")
+_QUANTIZER_KEYS = ("dtype", "scope", "symmetric", "method", "ext")
+_SAVE_KEYS = ("type", "part_file_size", "ext")
+
+MAX_RECIPE_BYTES = 1 << 20  # msModelSlim's recipes are 1-3 kB
+# Nodes of the YAML tree with every alias expanded: msModelSlim's recipes have a few hundred; a 647-byte
+# "billion laughs" alias bomb has 10**9.
+MAX_YAML_NODES = 100_000
+
+
+def _short(value: object, limit: int = 80) -> str:
+    """repr(value) for a message, at most `limit` characters, computed without walking all of a big value."""
+    text = _SHORT_REPR.repr(value)
+    return text if len(text) <= limit else text[:limit - 3] + "..."
+
+
+_SHORT_REPR = reprlib.Repr()
+_SHORT_REPR.maxlevel, _SHORT_REPR.maxlist, _SHORT_REPR.maxdict, _SHORT_REPR.maxtuple = 2, 4, 4, 4
+_SHORT_REPR.maxstring, _SHORT_REPR.maxother, _SHORT_REPR.maxlong = 60, 60, 40
 
 
 @dataclass(frozen=True)
@@ -72,6 +101,110 @@ def default_recipe_path(moe: bool) -> Path:
     return Path(str(resources.files("npuport.recipes") / name))
 
 
+# ---------------------------------------------------------------------------------------------------------
+# Reading the YAML: bounded, one-line errors
+
+
+class _BoundedLoader(yaml.SafeLoader):
+    """PyYAML's SafeLoader that measures the composed document before building it: a tree that aliases
+    expand past MAX_YAML_NODES nodes, or an alias inside its own anchor, is refused without being expanded."""
+
+    def construct_document(self, node: yaml.Node):
+        _check_expanded_size(node)
+        return super().construct_document(node)
+
+
+class _YAMLTooLarge(Exception):
+    pass
+
+
+def _children(node: yaml.Node) -> list[yaml.Node]:
+    if isinstance(node, yaml.SequenceNode):
+        return node.value
+    if isinstance(node, yaml.MappingNode):
+        return [part for pair in node.value for part in pair]
+    return []
+
+
+def _check_expanded_size(root: yaml.Node) -> None:
+    """Count the nodes of the tree the node graph stands for (an alias counts its whole anchored subtree
+    again), each shared node measured once; raise _YAMLTooLarge past MAX_YAML_NODES or on a cycle."""
+    sizes: dict[int, int] = {}
+    on_path: set[int] = set()
+    stack: list[tuple[yaml.Node, bool]] = [(root, False)]
+    while stack:
+        node, children_done = stack.pop()
+        key = id(node)
+        if children_done:
+            on_path.discard(key)
+            sizes[key] = 1 + sum(sizes[id(c)] for c in _children(node))
+            if sizes[key] > MAX_YAML_NODES:
+                raise _YAMLTooLarge(f"its aliases (*name) expand it past {MAX_YAML_NODES:,} nodes (an alias bomb?)")
+            continue
+        if key in sizes:
+            continue
+        if key in on_path:
+            raise _YAMLTooLarge("an alias (*name) refers to a node that holds it")
+        on_path.add(key)
+        stack.append((node, True))
+        stack.extend((child, False) for child in _children(node) if id(child) not in sizes)
+
+
+def _read_yaml(path: Path) -> tuple[str, object]:
+    """The text of `path` and the YAML document in it, or a one-line RecipeError naming the file (never its
+    contents)."""
+    try:
+        size = path.stat().st_size
+        if size > MAX_RECIPE_BYTES:
+            raise RecipeError(f"{path}: {size:,} bytes; a recipe is a small text file (at most "
+                              f"{MAX_RECIPE_BYTES:,} bytes)")
+        text = path.read_text(encoding="utf-8")
+    except OSError as e:
+        raise RecipeError(f"{path}: cannot read recipe: {e.strerror or e}") from None
+    except UnicodeDecodeError as e:
+        raise RecipeError(f"{path}: not UTF-8 text (byte {e.start})") from None
+    try:
+        return text, yaml.load(text, Loader=_BoundedLoader)  # a SafeLoader: plain data, no Python objects
+    except _YAMLTooLarge as e:
+        raise RecipeError(f"{path}: refused: {e}") from None
+    except RecursionError:
+        raise RecipeError(f"{path}: refused: nested too deeply") from None
+    except yaml.MarkedYAMLError as e:
+        mark = e.problem_mark or e.context_mark
+        where = f" at line {mark.line + 1}, column {mark.column + 1}" if mark is not None else ""
+        raise RecipeError(f"{path}: not valid YAML{where}: {_cut(e.problem or e.context or 'unreadable')}") from None
+    except yaml.YAMLError as e:
+        raise RecipeError(f"{path}: not valid YAML: {_cut(str(e))}") from None
+
+
+def _cut(text: str, limit: int = 80) -> str:
+    text = " ".join(text.split())
+    return text if len(text) <= limit else text[:limit - 3] + "..."
+
+
+def _check_keys(mapping: dict, allowed: Collection[str], where: str) -> None:
+    """Refuse a key the schema does not have at this level, suggesting the nearest one it has."""
+    for key in mapping:
+        if key in allowed:
+            continue
+        close = difflib.get_close_matches(str(key), list(allowed), n=1)
+        hint = f"did you mean {close[0]!r}?" if close else f"the keys here are {', '.join(allowed)}"
+        raise RecipeError(f"{where}: unknown key {_short(key)}; {hint}")
+
+
+def _list(value: object, where: str) -> list:
+    """A list in the recipe; an empty entry (`key:` with nothing after it) is an empty list."""
+    if value is None:
+        return []
+    if not isinstance(value, list):
+        raise RecipeError(f"{where}: expected a list, got {_short(value)}")
+    return value
+
+
+# ---------------------------------------------------------------------------------------------------------
+# The schema
+
+
 def _patterns(value: object, where: str) -> tuple[str, ...]:
     if value is None:
         return ()
@@ -79,36 +212,52 @@ def _patterns(value: object, where: str) -> tuple[str, ...]:
         return (value,)
     if isinstance(value, list) and all(isinstance(p, str) for p in value):
         return tuple(value)
-    raise RecipeError(f"{where}: include/exclude must be a glob pattern or a list of them, got {value!r}")
+    raise RecipeError(f"{where}: include/exclude must be a glob pattern or a list of them, got {_short(value)}")
 
 
 def _check_qconfig(qconfig: object, where: str) -> None:
     if not isinstance(qconfig, dict):
         raise RecipeError(f"{where}: missing qconfig")
+    _check_keys(qconfig, _QCONFIG_KEYS, f"{where}.qconfig")
     for part, expected in _DYNAMIC_QCONFIG.items():
         got = qconfig.get(part)
         if not isinstance(got, dict):
             raise RecipeError(f"{where}: qconfig.{part} missing")
+        _check_keys(got, _QUANTIZER_KEYS, f"{where}.qconfig.{part}")
+        if got.get("ext"):
+            raise RecipeError(f"{where}: qconfig.{part}.ext = {_short(got['ext'])} is not implemented; npuport's "
+                              "minmax takes no extra parameters")
         for key, want in expected.items():
             if got.get(key, want) != want:
                 raise RecipeError(
-                    f"{where}: qconfig.{part}.{key} = {got.get(key)!r} is not implemented; npuport writes "
+                    f"{where}: qconfig.{part}.{key} = {_short(got.get(key))} is not implemented; npuport writes "
                     f"W8A8_DYNAMIC only (act per_token int8 symmetric minmax, weight per_channel int8 symmetric minmax)"
                 )
 
 
-def _rules(process: list, where: str, allow_unsupported: bool, notes: list[str]) -> list[QuantRule]:
+def _rules(process: list, where: str, source_name: str, allow_unsupported: bool,
+           notes: list[str]) -> list[QuantRule]:
+    """The linear_quant steps of `process` (groups flattened), in order; each rule says where it came from
+    as `<source_name>: <where>[i]`."""
     rules: list[QuantRule] = []
     for i, step in enumerate(process):
         w = f"{where}[{i}]"
-        kind = step.get("type") if isinstance(step, dict) else None
+        if not isinstance(step, dict):  # e.g. a step indented under the previous one's key
+            raise RecipeError(f"{w}: a step is a mapping with a `type`, got {_short(step)}")
+        kind = step.get("type")
+        if not isinstance(kind, str):
+            raise RecipeError(f"{w}: `type` must be a process type name, got {_short(kind)}")
+        if kind in _STEP_KEYS:
+            _check_keys(step, _STEP_KEYS[kind], w)
         if kind == "group":
-            rules += _rules(step.get("configs") or [], f"{w}.configs", allow_unsupported, notes)
+            configs = _list(step.get("configs"), f"{w}.configs")
+            rules += _rules(configs, f"{w}.configs", source_name, allow_unsupported, notes)
         elif kind == "linear_quant":
             _check_qconfig(step.get("qconfig"), w)
-            rules.append(QuantRule(_patterns(step.get("include", ["*"]), w), _patterns(step.get("exclude"), w), w))
+            rules.append(QuantRule(_patterns(step.get("include", ["*"]), w), _patterns(step.get("exclude"), w),
+                                   f"{source_name}: {w}"))
         else:
-            msg = f"{w}: process type {kind!r} is not implemented"
+            msg = f"{w}: process type {_short(kind)} is not implemented"
             if kind in _UNSUPPORTED_PROCESS:
                 msg += " (it rewrites weights from calibration activations)"
             if not allow_unsupported:
@@ -117,42 +266,67 @@ def _rules(process: list, where: str, allow_unsupported: bool, notes: list[str])
     return rules
 
 
-def load_recipe(path: Path, allow_unsupported: bool = False) -> Recipe:
-    """Parse an msModelSlim recipe (`apiversion`, `metadata`, `spec.process[]`, `spec.save[]`)."""
-    path = Path(path)
-    try:
-        text = path.read_text(encoding="utf-8")
-        doc = yaml.safe_load(text)
-    except OSError as e:
-        raise RecipeError(f"{path}: cannot read recipe: {e}") from None
-    except yaml.YAMLError as e:
-        raise RecipeError(f"{path}: not valid YAML: {e}") from None
+def _prior_stages(spec: dict, allow_unsupported: bool, notes: list[str]) -> None:
+    """`spec.prior`: stages run before `process` (rotations), which rewrite weights: refused unless skipped."""
+    stages = _list(spec.get("prior"), "spec.prior")
+    if not stages:
+        return
+    msg = f"spec.prior ({len(stages)} stage(s) run before the quantization) is not implemented"
+    if not allow_unsupported:
+        raise RecipeError(msg + "; pass --skip-unsupported to convert without it")
+    notes.append(msg + "; skipped (--skip-unsupported)")
+
+
+def _part_file_size_gb(save_steps: list, notes: list[str]) -> float:
+    """The shard size of `spec.save` (GB; 4 when unset), from its ascendv1_saver step."""
+    part_gb = 4.0
+    for i, save in enumerate(save_steps):
+        w = f"spec.save[{i}]"
+        if not isinstance(save, dict) or save.get("type") != "ascendv1_saver":
+            kind = save.get("type") if isinstance(save, dict) else save
+            raise RecipeError(f"{w}: only type 'ascendv1_saver' is implemented, got {_short(kind)}")
+        _check_keys(save, _SAVE_KEYS, w)
+        size = save.get("part_file_size", part_gb)
+        if isinstance(size, bool) or not isinstance(size, (int, float)) or not 0 < size < 1e6:
+            raise RecipeError(f"{w}: part_file_size must be a positive number of GB, got {_short(size)}")
+        part_gb = float(size)
+        if save.get("ext"):
+            notes.append(f"{w}.ext is not implemented; ignored")
+    return part_gb
+
+
+def _parse(doc: object, text: str, source_name: str, allow_unsupported: bool) -> Recipe:
+    """The Recipe in a loaded YAML document; RecipeErrors name the key, the caller names the file."""
     if not isinstance(doc, dict) or not isinstance(doc.get("spec"), dict):
-        raise RecipeError(f"{path}: not an msModelSlim recipe (no `spec` mapping)")
+        raise RecipeError("not an msModelSlim recipe (no `spec` mapping)")
     spec = doc["spec"]
     if "process" not in spec:
-        raise RecipeError(f"{path}: spec.process is missing (msModelSlim V0 recipes with calib_cfg are not supported)")
+        raise RecipeError("spec.process is missing (msModelSlim V0 recipes with calib_cfg are not supported)")
+    _check_keys(spec, _SPEC_KEYS, "spec")
     notes: list[str] = []
     for key in doc:
         if key not in ("apiversion", "metadata", "spec"):
-            notes.append(f"top-level key {key!r} is not part of the schema (a YAML anchor holder?); ignored")
-    part_gb = 4.0
-    for i, save in enumerate(spec.get("save") or []):
-        if not isinstance(save, dict) or save.get("type") != "ascendv1_saver":
-            raise RecipeError(f"{path}: spec.save[{i}]: only type 'ascendv1_saver' is implemented, got {save!r}")
-        part_gb = float(save.get("part_file_size", part_gb))
-        for k in save:
-            if k not in ("type", "part_file_size"):
-                notes.append(f"spec.save[{i}].{k} is not implemented; ignored")
+            notes.append(f"top-level key {_short(key)} is not part of the schema (a YAML anchor holder?); ignored")
+    part_gb = _part_file_size_gb(_list(spec.get("save"), "spec.save"), notes)
     for key in spec:
-        if key in ("process", "save"):
-            continue
         if key in _CALIBRATION_KEYS:
             notes.append(f"spec.{key} ignored: W8A8_DYNAMIC needs no calibration data or model runner")
-        else:
-            notes.append(f"spec.{key} is not implemented; ignored")
-    rules = _rules(spec["process"] or [], f"{path.name}: spec.process", allow_unsupported, notes)
+    _prior_stages(spec, allow_unsupported, notes)
+    rules = _rules(_list(spec["process"], "spec.process"), "spec.process", source_name, allow_unsupported, notes)
     if not rules:
-        raise RecipeError(f"{path}: no linear_quant step; nothing would be quantized")
-    name = str((doc.get("metadata") or {}).get("config_id") or path.stem)
-    return Recipe(name, rules, part_gb, text, path.name, notes)
+        raise RecipeError("no linear_quant step; nothing would be quantized")
+    metadata = doc.get("metadata")
+    config_id = metadata.get("config_id") if isinstance(metadata, dict) else None
+    name = _cut(str(config_id)) if config_id else Path(source_name).stem
+    return Recipe(name, rules, part_gb, text, source_name, notes)
+
+
+def load_recipe(path: Path, allow_unsupported: bool = False) -> Recipe:
+    """Parse an msModelSlim recipe (`apiversion`, `metadata`, `spec.process[]`, `spec.save[]`). Every problem
+    is one RecipeError line naming the file and the key; values in it are cut short."""
+    path = Path(path)
+    text, doc = _read_yaml(path)
+    try:
+        return _parse(doc, text, path.name, allow_unsupported)
+    except RecipeError as e:
+        raise RecipeError(f"{path}: {e}") from None

@@ -1,8 +1,10 @@
 """SHA-256 for a release: copy a file and hash it in the same pass, hash what is written to a stream, and
-read and write `SHA256SUMS` in the format of coreutils' `sha256sum` (so `sha256sum -c` checks it too)."""
+read and write `SHA256SUMS` in the format of coreutils' `sha256sum` (so `sha256sum -c` checks it too). Also
+`write_fully`, the write loop every writer of npuport goes through."""
 
 from __future__ import annotations
 
+import errno
 import hashlib
 import mmap
 import os
@@ -43,9 +45,31 @@ def copy_with_sha256(src: Path, dst: Path, chunk: int = COPY_CHUNK, depth: int =
     return digest.hexdigest()
 
 
-def _write_fully(out: BinaryIO, data: memoryview) -> None:
-    while data:
-        data = data[out.write(data):]
+def write_fully(out: BinaryIO, data: bytes | memoryview) -> None:
+    """Write every byte of `data` to the file `out`. A raw (unbuffered) file may write fewer bytes than asked -
+    Linux writes at most 2 GiB - 4 KiB per call - and returns how many; this writes the rest. An error names the
+    file. Every view taken of `data` is released before this returns or raises, so that a memory map behind
+    `data` can be closed as soon as the caller is done with it (a view kept alive by the traceback of a failed
+    write made closing the map raise BufferError, which hid the error, e.g. a full disk)."""
+    with memoryview(data) as view, view.cast("B") as octets:
+        done = 0
+        while done < len(octets):
+            with octets[done:] as rest:
+                try:
+                    count = out.write(rest)
+                except OSError as e:
+                    raise _naming(e, out) from None
+            if not count:
+                raise OSError(errno.EIO, "the write made no progress", getattr(out, "name", None))
+            done += count
+
+
+def _naming(error: OSError, out: BinaryIO) -> OSError:
+    """`error` with the file's name, which a failed write() does not carry (open() does)."""
+    name = getattr(out, "name", None)
+    if error.filename is not None or not isinstance(name, str):
+        return error
+    return OSError(error.errno, error.strerror, name)
 
 
 def _hash_and_write(view: memoryview, digest: Any, out: BinaryIO, chunk: int, depth: int) -> None:
@@ -57,7 +81,7 @@ def _hash_and_write(view: memoryview, digest: Any, out: BinaryIO, chunk: int, de
             with piece:  # released here, so the mapping can be closed
                 if not failure:
                     try:
-                        _write_fully(out, piece)
+                        write_fully(out, piece)
                     except BaseException as e:  # reported by the hashing thread; keep draining so it never blocks
                         failure.append(e)
 
@@ -82,7 +106,8 @@ def _hash_and_write(view: memoryview, digest: Any, out: BinaryIO, chunk: int, de
 
 
 class HashingWriter:
-    """A write-only binary stream that hashes every byte it passes on to `raw` (for tarfile)."""
+    """A write-only binary stream that hashes every byte it passes on to the file `raw` (for tarfile), written
+    in full whatever count `raw.write` returns."""
 
     def __init__(self, raw: BinaryIO) -> None:
         self.raw = raw
@@ -91,8 +116,9 @@ class HashingWriter:
 
     def write(self, data: bytes) -> int:
         self.digest.update(data)
+        write_fully(self.raw, data)
         self.bytes_written += len(data)
-        return self.raw.write(data)
+        return len(data)
 
     def tell(self) -> int:
         return self.bytes_written
@@ -122,3 +148,9 @@ def parse_sums(text: str) -> tuple[dict[str, str], list[str]]:
         else:
             digests[m["path"]] = m["digest"]
     return digests, problems
+
+
+def listing_checksum(digests: dict[str, str]) -> str:
+    """sha256 of the SHA256SUMS listing (format_sums) of these digests by relative path: the checksum that binds
+    a validation report to the artifact's files (validate records it, package and verify-release compare it)."""
+    return hashlib.sha256(format_sums(digests).encode("utf-8")).hexdigest()

@@ -2,7 +2,11 @@
 
 from __future__ import annotations
 
+import signal
 import sys
+import threading
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 
 import click
@@ -11,15 +15,51 @@ from npuport import __version__
 from npuport.errors import NpuportError
 
 
+class Stopped(KeyboardInterrupt):
+    """SIGTERM or SIGHUP, raised in the main thread as Ctrl-C raises KeyboardInterrupt, so that every cleanup
+    that runs on Ctrl-C runs for them too."""
+
+    def __init__(self, signum: int) -> None:
+        super().__init__(signal.Signals(signum).name)
+        self.signum = signum
+
+
+STOP_SIGNALS = (signal.SIGTERM, signal.SIGHUP)  # kill, docker stop, systemd, Slurm; a closed terminal
+
+
+@contextmanager
+def _stop_like_ctrl_c() -> Iterator[None]:
+    """SIGTERM and SIGHUP raise Stopped while a command runs; the previous handlers are restored afterwards."""
+    if threading.current_thread() is not threading.main_thread():  # only the main thread may set handlers
+        yield
+        return
+
+    def stop(signum: int, frame: object) -> None:
+        raise Stopped(signum)
+
+    previous = {s: signal.signal(s, stop) for s in STOP_SIGNALS}
+    try:
+        yield
+    finally:
+        for s, handler in previous.items():
+            signal.signal(s, handler if handler is not None else signal.SIG_DFL)
+
+
 class _Group(click.Group):
-    """Prints an NpuportError as one clear line and exits 1, instead of a traceback."""
+    """Prints an NpuportError as one clear line and exits 1, instead of a traceback; Ctrl-C, SIGTERM and SIGHUP
+    stop a command the same way (its cleanup runs), with one line and exit status 128 + the signal's number."""
 
     def invoke(self, ctx: click.Context):
         try:
-            return super().invoke(ctx)
+            with _stop_like_ctrl_c():
+                return super().invoke(ctx)
         except NpuportError as e:
             click.echo(f"error: {e}", err=True)
             sys.exit(1)
+        except KeyboardInterrupt as e:
+            signum = getattr(e, "signum", signal.SIGINT)
+            click.echo(f"error: stopped by {signal.Signals(signum).name}", err=True)
+            sys.exit(128 + signum)
 
 
 @click.group(cls=_Group)
@@ -48,6 +88,17 @@ def _report_problems(subject: Path, problems: list[str]) -> None:
 
 @main.command("make-tiny")
 @click.argument("out", type=click.Path(path_type=Path))
+# The names of tiny_checkpoint.REAL_MODELS, repeated so that the command line starts without importing torch
+# (tests/test_make_tiny_like.py holds the two lists equal).
+@click.option("--like", type=click.Choice(["27B", "35B-A3B", "122B-A10B", "397B-A17B"]), default=None,
+              help="The real widths of that published Qwen3.5: hidden size, heads, GDN heads, experts, top-k and "
+                   "vocabulary, at --layers depth (default 4), with its MTP head; dense or MoE as the model is "
+                   "(instead of --arch and --size). Vocabulary 248320 although the tokenizer written has 2048 "
+                   "tokens: embedding and lm_head have their real size, for benchmarks. At 4 layers 27B is "
+                   "9 GB, 35B-A3B 10 GB, 122B-A10B 28 GB, 397B-A17B 70 GB.")
+@click.option("--layers", type=click.IntRange(min=1), default=None,
+              help="Decoder layers (default: 4 with --like, else the preset's); each fourth is full attention, "
+                   "the others GatedDeltaNet, as in the real models.")
 @click.option("--arch", type=click.Choice(["dense", "moe"]), default="dense", show_default=True)
 @click.option("--layout", type=click.Choice(["multimodal", "text"]), default="multimodal", show_default=True,
               help="multimodal: model.language_model.* plus a small model.visual.*; text: model.*")
@@ -57,16 +108,26 @@ def _report_problems(subject: Path, problems: list[str]) -> None:
               help="tiny: under 5 MB (tests); small: ~100M parameters; mid: a few GB (benchmarks).")
 @click.option("--seed", type=int, default=0, show_default=True)
 @click.option("--tie-word-embeddings", is_flag=True, help="Share lm_head with embed_tokens (no lm_head tensor).")
-def make_tiny_cmd(out: Path, arch: str, layout: str, mtp_experts: str, size: str, seed: int,
-                  tie_word_embeddings: bool) -> None:
-    """Write a deterministic Qwen3.5 checkpoint with random weights to OUT (a new folder)."""
-    from npuport.fixtures.tiny_checkpoint import TinySpec, make_tiny
+@click.option("--quiet", is_flag=True, help="No progress bar.")
+@click.pass_context
+def make_tiny_cmd(ctx: click.Context, out: Path, like: str | None, layers: int | None, arch: str, layout: str,
+                  mtp_experts: str, size: str, seed: int, tie_word_embeddings: bool, quiet: bool) -> None:
+    """Write a deterministic Qwen3.5 checkpoint with random weights to OUT (a new folder): BF16 safetensors in
+    shards of at most 4 GB (a larger tensor alone in one), config.json, tokenizer, MTP head."""
+    from npuport.fixtures.tiny_checkpoint import TinySpec, like_spec, make_tiny
 
     if out.exists():
         raise NpuportError(f"{out} already exists; choose a new folder")
-    spec = TinySpec(arch, layout, mtp_experts, size, seed, tie_word_embeddings)
-    make_tiny(out, spec, progress=lambda msg: click.echo(msg, err=True))
-    click.echo(f"wrote {arch} {size} Qwen3.5 checkpoint ({layout} layout) to {out}")
+    if like:
+        typed = click.core.ParameterSource.COMMANDLINE
+        given = [f"--{p}" for p in ("arch", "size") if ctx.get_parameter_source(p) is typed]
+        if given:
+            raise NpuportError(f"--like {like} sets the architecture and sizes; leave out {' and '.join(given)}")
+        spec = like_spec(like, layers, seed, layout, mtp_experts, tie_word_embeddings)
+    else:
+        spec = TinySpec(arch, layout, mtp_experts, size, seed, tie_word_embeddings, layers)
+    make_tiny(out, spec, progress=lambda msg: click.echo(msg, err=True), show_progress=not quiet)
+    click.echo(f"wrote {spec.arch} {like or size} Qwen3.5 checkpoint ({layout} layout) to {out}")
 
 
 @main.command("convert-qwen35")
@@ -76,7 +137,8 @@ def make_tiny_cmd(out: Path, arch: str, layout: str, mtp_experts: str, size: str
               help="W8A8_DYNAMIC: int8 weights per channel, int8 activations per token (the only scheme).")
 @click.option("--recipe", "recipe_path", type=click.Path(path_type=Path, exists=True, dir_okay=False),
               help="An msModelSlim YAML recipe (default: the shipped Qwen3.5 dense or MoE recipe, from config.json).")
-@click.option("--force", is_flag=True, help="Replace OUT if it exists (only once the new artifact is complete).")
+@click.option("--force", is_flag=True, help="Replace OUT if it exists, once the new artifact is complete; only an "
+              "artifact or release npuport wrote, or an empty folder, is replaced.")
 @click.option("--workers", type=click.IntRange(1, 64), default=1, show_default=True,
               help="Shards written in parallel; the output bytes do not depend on it.")
 @click.option("--skip-unsupported", is_flag=True,
@@ -130,13 +192,14 @@ def demo_cmd(workdir: Path, model: str) -> None:
 
 @main.command("package")
 @click.argument("artifact", type=click.Path(path_type=Path, exists=True, file_okay=False))
-@click.option("--out", "out", type=click.Path(path_type=Path), required=True, help="The release folder (new).")
+@click.option("--out", "out", type=click.Path(path_type=Path), required=True,
+              help="The release folder (new, or with --force one npuport packaged).")
 @click.option("--report", "report", type=click.Path(path_type=Path, exists=True, dir_okay=False),
               help="The validation report.json; report.md and its plots next to it are packaged too.")
 @click.option("--base-model", help="The base model as the card names it, e.g. a hub id (default: the source "
               "folder's name from the manifest).")
-@click.option("--force", is_flag=True, help="Package even if the artifact fails the contract or a gate failed; "
-              "the model card then says so at the top.")
+@click.option("--force", is_flag=True, help="Package even if the artifact fails the contract or a gate failed "
+              "(the model card then says so at the top); and replace an OUT (and OUT.tar) that npuport packaged.")
 @click.option("--archive", is_flag=True, help="Also write OUT.tar and OUT.tar.sha256 beside OUT.")
 def package_cmd(artifact: Path, out: Path, report: Path | None, base_model: str | None, force: bool,
                 archive: bool) -> None:
@@ -154,9 +217,10 @@ def package_cmd(artifact: Path, out: Path, report: Path | None, base_model: str 
 def verify_release_cmd(release: Path) -> None:
     """Check a packaged RELEASE: checksums, the checkpoint contract, the model card's figures against
     validation/report.json, no BF16 files; list every problem, exit 1 if any."""
-    from npuport.release.verify import verify_release
+    from npuport.release.verify import SCOPE, verify_release
 
     _report_problems(release, verify_release(release))
+    click.echo(SCOPE)
 
 
 @main.command("generate")
@@ -217,7 +281,7 @@ from npuport.runtime.validation.gsm8k import DEFAULT_PROTOCOL, LM_EVAL_SEED, MAX
 @click.option("--parallel", type=click.IntRange(min=1), default=16, show_default=True,
               help="Requests in flight to --endpoint.")
 @click.option("--timeout", "timeout_s", type=click.FloatRange(min=0, min_open=True), default=600.0, show_default=True,
-              help="Seconds to wait for an endpoint answer.")
+              help="Wall-clock seconds per request, from connecting to the answer's last byte.")
 @click.option("--retries", type=click.IntRange(min=0), default=3, show_default=True,
               help="Retries of a request that failed to connect, timed out or got HTTP 429/5xx (waits 1, 2, 4 s...).")
 @device_option
@@ -274,24 +338,36 @@ def validate_cmd(artifact: Path, gsm8k: bool, protocol: str, data: Path | None, 
 @click.option("--port", type=click.IntRange(0, 65535), default=8000, show_default=True,
               help="0: any free port (the line printed at start names it).")
 @click.option("--host", default="127.0.0.1", show_default=True,
-              help="Loopback by default; 0.0.0.0 serves every network the machine is on (no authentication).")
+              help="Loopback by default; 0.0.0.0 serves every network the machine is on (a warning says so; see "
+                   "--api-key).")
 @click.option("--served-model-name", default=None, help="The name clients send as `model` (default: MODEL as given).")
 @click.option("--mtp", type=click.IntRange(0, 4), default=0, show_default=True,
               help="MTP speculative decoding with K draft tokens per round (0 = off).")
 @click.option("--max-batch-size", type=click.IntRange(min=1), default=16, show_default=True,
               help="Prompts of one request generated together.")
+@click.option("--max-tokens-limit", type=click.IntRange(min=1), default=4096, show_default=True,
+              help="The largest max_tokens a request may ask for (the model's context bounds it as well).")
+@click.option("--request-timeout", "request_timeout_s", type=click.FloatRange(min=0, min_open=True), default=30.0,
+              show_default=True, help="Seconds a client has to send its whole request; slower ones are dropped.")
+@click.option("--max-connections", type=click.IntRange(min=1), default=32, show_default=True,
+              help="Connections served at once; more are answered 503.")
+@click.option("--api-key", envvar="NPUPORT_API_KEY", show_envvar=True, default=None,
+              help="Require 'Authorization: Bearer KEY' on every /v1 request (prefer the environment variable: a "
+                   "command line is visible to other users of the machine).")
 @device_option
 @dtype_option
 @click.option("--quiet", is_flag=True, help="Do not log each request.")
 def serve_cmd(model: Path, port: int, host: str, served_model_name: str | None, mtp: int, max_batch_size: int,
+              max_tokens_limit: int, request_timeout_s: float, max_connections: int, api_key: str | None,
               device: str | None, dtype: str, quiet: bool) -> None:
     """Serve MODEL (a W8A8 artifact or BF16 source) on the built-in runtime as an OpenAI-compatible endpoint:
     POST /v1/completions, GET /v1/models. One request runs at a time."""
-    from npuport.runtime.validation.serve import serve_model
+    from npuport.runtime.validation.serve import ServeLimits, serve_model
 
     serve_model(model, host=host, port=port, served_model=served_model_name, device=device, dtype=dtype, mtp=mtp,
-                max_batch_size=max_batch_size, announce=click.echo,
-                log=None if quiet else lambda m: click.echo(m, err=True))
+                max_batch_size=max_batch_size, limits=ServeLimits(max_tokens_limit, request_timeout_s, max_connections),
+                api_key=api_key, announce=click.echo, log=None if quiet else lambda m: click.echo(m, err=True),
+                warn=lambda m: click.echo(m, err=True))
 
 
 @main.command("train-tiny")

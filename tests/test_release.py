@@ -317,7 +317,7 @@ def test_failure_midway_leaves_no_partial_release_or_archive(inputs: dict[str, P
         return real_copy(src, dst)
 
     monkeypatch.setattr(release_module, "copy_with_sha256", failing_copy)
-    with pytest.raises(OSError, match="No space left"):
+    with pytest.raises(ReleaseError, match="No space left"):
         package_release(inputs["artifact"], tmp_path / "rel", inputs["report"], archive=True, log=silent)
     assert len(calls) == 4
     assert list(tmp_path.iterdir()) == []
@@ -410,6 +410,6 @@ def test_copy_with_sha256_reports_a_failed_write_without_hanging(tmp_path: Path,
         raise OSError(28, "No space left on device")
 
     (tmp_path / "src").write_bytes(bytes(10 * 4096))
-    monkeypatch.setattr(checksums, "_write_fully", full_disk)
+    monkeypatch.setattr(checksums, "write_fully", full_disk)
     with pytest.raises(OSError, match="No space left"):
         copy_with_sha256(tmp_path / "src", tmp_path / "dst", chunk=4096, depth=1)

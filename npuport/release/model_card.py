@@ -20,6 +20,14 @@ from npuport.runtime.validation.gsm8k import PROTOCOLS
 FORCED_MARK = "WARNING: packaged with --force"
 TAGS = ("npuport", "w8a8", "int8", "msmodelslim", "ascend", "vllm-ascend", "sglang", "mtp")
 NUM_SPECULATIVE_TOKENS = 3
+SHORT_CHECKSUM = 12  # hex digits of a checksum shown in messages and on the card
+VERIFY_PROVES = ("`npuport verify-release` proves that every file is the one packaged (`SHA256SUMS`), that the "
+                 "report's figures were measured on these weights and configs (the `artifact_checksum` it records, "
+                 "recomputed from the files), that this card states those figures, that the folder meets the "
+                 "checkpoint contract and names no file outside itself, and that it holds no code.")
+VERIFY_CANNOT_PROVE = ("It cannot prove who made the release: whoever can change the weights can rewrite "
+                       "`SHA256SUMS`, the report and this card to match. Only a signature over `SHA256SUMS` with a "
+                       "key you trust ties the release to its publisher.")
 
 # CONTRACT.md, "Serving an artifact": the MTP head drafts 3 tokens; sglang runs it unquantized.
 VLLM_ASCEND_COMMAND = ("vllm serve {model} --quantization ascend "
@@ -49,6 +57,13 @@ class CardFacts:
     report_date: str | None = None
     report_files: list[str] = field(default_factory=list)  # relative paths of report.md and the plots
     forced_problems: list[str] = field(default_factory=list)
+    artifact_checksum: str | None = None  # the report's artifact_checksum, checked equal to the artifact's
+
+
+def short_checksum(value: str) -> str:
+    """A checksum cut to SHORT_CHECKSUM characters for a one-line message (control characters escaped)."""
+    text = value[:SHORT_CHECKSUM].encode("unicode_escape").decode("ascii")
+    return text + ("..." if len(value) > SHORT_CHECKSUM else "")
 
 
 def license_id(text: str | None) -> str:
@@ -113,6 +128,7 @@ def _results(facts: CardFacts) -> list[str]:
               "harness whose prompt, stop strings and answer extraction were followed "
               f"({', '.join(PROTOCOLS)}) and its shots; intervals, paired tests and per-layer figures are in "
               "[validation/report.md](validation/report.md), every raw figure in `validation/report.json`.", ""]
+    lines += [_binding(facts), ""]
     gates = report.get("gates") or []
     if gates:
         lines += ["Gates:", ""] + [f"- {'pass' if g['passed'] else 'FAIL'}: {markdown_text(g['name'])}"
@@ -120,6 +136,16 @@ def _results(facts: CardFacts) -> list[str]:
                                    for g in gates] + [""]
     lines += [f"![{p.rsplit('/', 1)[-1][:-4]}]({p})" for p in facts.report_files if p.endswith(".png")]
     return lines + [""]
+
+
+def _binding(facts: CardFacts) -> str:
+    """Whether the figures are tied to these files: the report's artifact_checksum, equal to the artifact's."""
+    if facts.artifact_checksum is None:
+        return ("`validation/report.json` records no `artifact_checksum`: nothing ties these figures to the weights "
+                "of this release.")
+    return (f"The figures were measured on exactly this release's weights and configs: the report's "
+            f"`artifact_checksum` (`{short_checksum(facts.artifact_checksum)}`) is the sha256 of the `SHA256SUMS` "
+            "listing of every file here but `README.md`, `SHA256SUMS` and `validation/`.")
 
 
 def _quantization(facts: CardFacts) -> list[str]:
@@ -194,7 +220,8 @@ def _files(facts: CardFacts) -> list[str]:
     rows = [[f"`{path}`", f"{size:,}"] for path, size in sorted(facts.files.items())]
     return ["## Files", ""] + _table(["file", "bytes"], rows) + [
         "`SHA256SUMS` lists the SHA-256 of every file; check them with `sha256sum -c SHA256SUMS`, or run "
-        "`npuport verify-release .` for the checksums, the checkpoint contract and this card's figures.", ""]
+        "`npuport verify-release .` for the checksums, the checkpoint contract and this card's figures.", "",
+        VERIFY_PROVES + " " + VERIFY_CANNOT_PROVE, ""]
 
 
 def _license(facts: CardFacts) -> list[str]:

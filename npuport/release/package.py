@@ -10,22 +10,24 @@ from __future__ import annotations
 
 import hashlib
 import re
-import shutil
 import tarfile
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from datetime import datetime, timezone
 from pathlib import Path
 from typing import Any
 
 from npuport.checksums import SUMS_NAME, HashingWriter, copy_with_sha256, format_sums
-from npuport.convert.ascend_writer import DESCRIPTION_NAME
+from npuport.convert.ascend_writer import DESCRIPTION_NAME, INDEX_NAME
 from npuport.convert.check import check_artifact
 from npuport.convert.converter import GB, MANIFEST_NAME
 from npuport.errors import NpuportError
 from npuport.jsonfile import read_json_object
-from npuport.release.model_card import CardFacts, license_id, render_model_card
+from npuport.output_folder import OutputFolder, archive_paths
+from npuport.paths import file_inside
+from npuport.release.model_card import CardFacts, license_id, render_model_card, short_checksum
 from npuport.runtime.validation.report import REPORT_FORMAT
+from npuport.runtime.validation.validate import artifact_checksum
 
 CARD_NAME = "README.md"
 VALIDATION_DIR = "validation"
@@ -35,6 +37,35 @@ RECIPE_SUFFIX = "_best_practice.yaml"
 RESERVED_NAMES = (CARD_NAME, SUMS_NAME, VALIDATION_DIR)
 LICENSE_PREFIX = "LICENSE"  # LICENSE, LICENSE.txt, LICENSE.md: the base model's, copied by the converter
 _PLOT_LINK = re.compile(r"!\[[^\]]*\]\(([^)\s]+\.png)\)")
+CHECKSUM_KEY = "artifact_checksum"  # report.json: validate's artifact_checksum of the folder it measured
+TOKENIZER_CONFIG_NAME = "tokenizer_config.json"
+AUTO_MAP_KEY = "auto_map"  # a config key naming Python classes that transformers imports (trust_remote_code)
+CODE_SUFFIX = ".py"
+
+
+@dataclass(frozen=True)
+class RequiredFile:
+    """One thing a release must hold: present when every file of one of `alternatives` is, or when the JSON file
+    `in_json[0]` has the key `in_json[1]`."""
+
+    what: str
+    alternatives: tuple[tuple[str, ...], ...]
+    in_json: tuple[str, str] | None = None
+
+
+# The contract of a release: what vllm-ascend and sglang need to load and serve it (CONTRACT.md, "Files in an
+# artifact"), plus npuport's manifest. The shards are the files the weight index names; the path rule and the
+# contract check (npuport check) hold them. The recipe and the card are checked on their own.
+RELEASE_FILES = (
+    RequiredFile("model config", (("config.json",),)),
+    RequiredFile("quantization description", ((DESCRIPTION_NAME,),)),
+    RequiredFile("weight index", ((INDEX_NAME,),)),
+    RequiredFile("tokenizer", (("tokenizer.json",), ("vocab.json", "merges.txt"), ("tokenizer.model",))),
+    RequiredFile("tokenizer config", ((TOKENIZER_CONFIG_NAME,),)),
+    RequiredFile("chat template", (("chat_template.jinja",), ("chat_template.json",)),
+                 in_json=(TOKENIZER_CONFIG_NAME, "chat_template")),  # older layouts keep it in the tokenizer config
+    RequiredFile("npuport manifest", ((MANIFEST_NAME,),)),  # the ignore-list and provenance
+)
 
 
 class ReleaseError(NpuportError):
@@ -65,17 +96,118 @@ def failed_gates(report: dict[str, Any]) -> list[str]:
 
 
 def report_attachments(report_json: Path) -> list[Path]:
-    """report.md next to report.json and every plot it shows (all three written by write_report)."""
-    md = report_json.parent / REPORT_MD_NAME
+    """report.md next to report.json and every plot it shows (all three written by write_report), each a regular
+    file inside the report's folder (the path rule: a symlink out of it is refused, not copied)."""
+    folder = report_json.parent
+    md = folder / REPORT_MD_NAME
     if not md.is_file():
         raise ReleaseError(f"{md}: missing; write_report writes it next to {report_json.name}")
+    file_inside(folder, REPORT_MD_NAME, "the report folder", ReleaseError)
     plots = []
     for link in dict.fromkeys(_PLOT_LINK.findall(md.read_text(encoding="utf-8"))):
-        plot = report_json.parent / link
+        plot = folder / link
         if "/" in link or not plot.is_file():
             raise ReleaseError(f"{md}: shows {link}, which is not a file next to it")
-        plots.append(plot)
+        plots.append(file_inside(folder, link, REPORT_MD_NAME, ReleaseError))
     return [md, *plots]
+
+
+def path_rule_problem(folder: Path, name: str, what: str, must_exist: bool = True) -> str | None:
+    """npuport.paths.file_inside's verdict on `name`, named by `what` in `folder`: None when it holds, else the
+    problem without the folder's path in front."""
+    try:
+        file_inside(folder, name, what, ReleaseError, must_exist=must_exist)
+    except ReleaseError as e:
+        return str(e).removeprefix(f"{folder}: ")
+    return None
+
+
+def index_shard_problems(folder: Path) -> list[str]:
+    """Where the weight index of `folder` breaks the path rule: a shard it names that lies outside the folder,
+    is a symlink out of it, is missing or is not a regular file; or a weight_map that is not {tensor: file}.
+    Empty when there is no readable index (the contract check reports that)."""
+    try:
+        index = read_json_object(folder / INDEX_NAME, ReleaseError)
+    except ReleaseError:
+        return []
+    weight_map = index.get("weight_map")
+    if weight_map is None:
+        return []
+    if not isinstance(weight_map, dict) or not all(isinstance(v, str) for v in weight_map.values()):
+        return [f"{INDEX_NAME}: weight_map must map each tensor name to a file name"]
+    problems = (path_rule_problem(folder, shard, INDEX_NAME) for shard in sorted(set(weight_map.values())))
+    return [p for p in problems if p is not None]
+
+
+def missing_release_files(folder: Path, names: Iterable[str]) -> list[str]:
+    """A line for each entry of RELEASE_FILES that the top-level files `names` of `folder` do not provide."""
+    present = set(names)
+    problems = []
+    for required in RELEASE_FILES:
+        if any(present.issuperset(files) for files in required.alternatives) or _has_json_key(folder, present,
+                                                                                                required.in_json):
+            continue
+        choices = [" + ".join(files) for files in required.alternatives]
+        if required.in_json:
+            choices.append(f"{required.in_json[1]!r} in {required.in_json[0]}")
+        problems.append(f"release contract: no {required.what} (needs {' or '.join(choices)})")
+    return problems
+
+
+def _has_json_key(folder: Path, present: set[str], in_json: tuple[str, str] | None) -> bool:
+    if in_json is None or in_json[0] not in present:
+        return False
+    try:
+        return in_json[1] in read_json_object(folder / in_json[0], ReleaseError)
+    except ReleaseError:
+        return False
+
+
+def code_problems(folder: Path, names: Iterable[str]) -> list[str]:
+    """Code that a release of the files `names` (relative to `folder`) would carry: Python files, and an
+    `auto_map` in a top-level config, which makes transformers import Python classes (trust_remote_code). A
+    W8A8 Qwen3.5 needs neither; an engine told to trust remote code would run it."""
+    problems = []
+    for name in sorted(names):
+        if name.endswith(CODE_SUFFIX):
+            problems.append(f"code: {name} is Python code; a release of weights carries none")
+        elif "/" not in name and name.endswith("config.json"):
+            try:
+                config = read_json_object(folder / name, ReleaseError)
+            except ReleaseError:
+                continue  # the contract check reports a config that does not parse
+            if AUTO_MAP_KEY in config:
+                problems.append(f"code: {name} has {AUTO_MAP_KEY!r}, which makes transformers import Python "
+                                "classes (trust_remote_code)")
+    return problems
+
+
+def from_artifact(relative: str) -> bool:
+    """Whether a file of a release (relative path) came from the artifact: all but README.md, SHA256SUMS and
+    validation/. These are the files whose checksum validate records as the report's artifact_checksum."""
+    return relative.split("/", 1)[0] not in RESERVED_NAMES
+
+
+def checksum_mismatch(report: str, recorded: str, actual: str, measured: str) -> str:
+    """The one-line refusal of a report whose artifact_checksum is not the checksum of what it is packaged with."""
+    return (f"{report}: {CHECKSUM_KEY} {short_checksum(recorded)} is not the checksum of {measured} "
+            f"({short_checksum(actual)}): the report measured other weights or configs, so its figures are not "
+            "this model's")
+
+
+def bound_checksum(artifact: Path, report_path: Path, report: dict[str, Any]) -> str | None:
+    """The artifact's checksum (computed as validate computes it) when the report records the same one; None when
+    the report records none. Refuses a report that records another: a card must never state another model's
+    figures, so --force does not override this."""
+    recorded = report.get(CHECKSUM_KEY)
+    if recorded is None:
+        return None
+    if not isinstance(recorded, str):
+        raise ReleaseError(f"{report_path}: {CHECKSUM_KEY} must be a string, is {type(recorded).__name__}")
+    actual = artifact_checksum(artifact)
+    if recorded != actual:
+        raise ReleaseError(checksum_mismatch(str(report_path), recorded, actual, f"the artifact {artifact}"))
+    return actual
 
 
 def recipe_files(folder: Path) -> list[Path]:
@@ -84,13 +216,14 @@ def recipe_files(folder: Path) -> list[Path]:
 
 
 def _artifact_files(artifact: Path) -> list[Path]:
+    """The artifact's files, each a regular file inside it (the path rule: a symlink out of it is refused)."""
     files = []
     for p in sorted(artifact.iterdir()):
         if p.name in RESERVED_NAMES:
             raise ReleaseError(f"{p}: the release writes its own {p.name}; remove it from the artifact")
-        if not p.is_file():
+        if p.is_dir():
             raise ReleaseError(f"{p}: an artifact holds files only, not folders or special files")
-        files.append(p)
+        files.append(file_inside(artifact, p.name, "the folder listing", ReleaseError))
     return files
 
 
@@ -117,19 +250,6 @@ def package_command(artifact: Path, out: Path, report: Path | None, force: bool,
 
 # ---------------------------------------------------------------------------------------------------------
 # Writing the release
-
-
-def archive_paths(out: Path) -> tuple[Path, Path]:
-    """`<OUT>.tar` and its `<OUT>.tar.sha256`, beside OUT."""
-    tar = out.parent / f"{out.name}.tar"
-    return tar, tar.parent / f"{tar.name}.sha256"
-
-
-def _check_disk(parent: Path, needed: int) -> None:
-    free = shutil.disk_usage(parent).free
-    if needed > free * 0.98:
-        raise ReleaseError(f"not enough disk space in {parent}: the release needs {needed / GB:.2f} GB, "
-                           f"{free / GB:.2f} GB free")
 
 
 def _tar_member(info: tarfile.TarInfo) -> tarfile.TarInfo:
@@ -163,25 +283,38 @@ class _Inputs:
     report_path: Path | None
     report: dict[str, Any] | None
     attachments: list[Path]  # report.json, report.md, plots
+    artifact_checksum: str | None  # the artifact's, when the report records it (and so is bound to it)
 
     def problems(self) -> list[str]:
-        """Why this should not be released: contract violations and failed gates."""
+        """Why this should not be released (each overridable by --force, then stated on the card): contract
+        violations, files the release contract needs, code, failed gates."""
+        names = [p.name for p in self.files]
         problems = [f"contract: {p}" for p in check_artifact(self.artifact)]
+        problems += missing_release_files(self.artifact, names) + code_problems(self.artifact, names)
         return problems + (failed_gates(self.report) if self.report else [])
 
 
 def _read_inputs(artifact: Path, report_path: Path | None) -> _Inputs:
+    """Everything a release is made of, with the refusals that --force does not override: a file outside the
+    artifact (a symlink out of it, an index naming shards elsewhere: the release would lack its weights) and a
+    report measured on other files than the artifact's."""
+    files = _artifact_files(artifact)
     for required in (MANIFEST_NAME, DESCRIPTION_NAME):
         if not (artifact / required).is_file():
             raise ReleaseError(f"{artifact}: no {required}; package an artifact written by npuport convert-qwen35")
     recipes = recipe_files(artifact)
     if len(recipes) != 1:
         raise ReleaseError(f"{artifact}: expected one *{RECIPE_SUFFIX} (the recipe applied), found {len(recipes)}")
+    outside = index_shard_problems(artifact)
+    if outside:
+        more = f" (and {len(outside) - 1} more)" if len(outside) > 1 else ""
+        raise ReleaseError(f"{artifact}: {outside[0]}{more}; a release holds its weights in its own folder")
+    report = None if report_path is None else load_report(report_path)
+    attachments = [] if report_path is None else [report_path, *report_attachments(report_path)]
+    checksum = None if report is None else bound_checksum(artifact, report_path, report)
     return _Inputs(artifact, read_json_object(artifact / MANIFEST_NAME, ReleaseError),
                    read_json_object(artifact / DESCRIPTION_NAME, ReleaseError),
-                   recipes[0], _artifact_files(artifact), report_path,
-                   None if report_path is None else load_report(report_path),
-                   [] if report_path is None else [report_path, *report_attachments(report_path)])
+                   recipes[0], files, report_path, report, attachments, checksum)
 
 
 def _card_facts(inputs: _Inputs, out: Path, sizes: dict[str, int], command: str, base_model: str | None,
@@ -196,7 +329,8 @@ def _card_facts(inputs: _Inputs, out: Path, sizes: dict[str, int], command: str,
         manifest=inputs.manifest, description=inputs.description, recipe_file=inputs.recipe.name,
         package_command=command, packaged_on=f"{datetime.now(timezone.utc):%Y-%m-%d}", files=sizes,
         report=report, report_date=None if report_path is None or report is None else _report_date(report_path, report),
-        report_files=[f"{VALIDATION_DIR}/{p.name}" for p in inputs.attachments[1:]], forced_problems=problems)
+        report_files=[f"{VALIDATION_DIR}/{p.name}" for p in inputs.attachments[1:]], forced_problems=problems,
+        artifact_checksum=inputs.artifact_checksum)
 
 
 def package_release(artifact: str | Path, out: str | Path, report: str | Path | None = None, force: bool = False,
@@ -205,36 +339,27 @@ def package_release(artifact: str | Path, out: str | Path, report: str | Path | 
     """Package the W8A8 artifact folder `artifact` (and optionally its validation `report`.json) as a release
     folder `out`; with `archive`, also `<out>.tar` and `<out>.tar.sha256`. Refuses an artifact that fails the
     contract check or a report with a failed gate unless `force`, which the card then says in its first lines.
-    Returns `out`. `base_model` (e.g. a hub id) defaults to the source folder's name in the manifest."""
+    With `force`, an existing `out` (and `<out>.tar`, `<out>.tar.sha256`) is replaced once the new release is
+    complete, if npuport packaged it (npuport.output_folder says how that is told). Returns `out`. `base_model`
+    (e.g. a hub id) defaults to the source folder's name in the manifest."""
     artifact, out = Path(artifact), Path(out)
     report_path = None if report is None else Path(report)
     if not artifact.is_dir():
         raise ReleaseError(f"{artifact}: not an artifact folder")
-    if out.exists():
-        raise ReleaseError(f"{out} already exists; choose a new folder")
-    if out.resolve().is_relative_to(artifact.resolve()):
-        raise ReleaseError(f"{out} is inside the artifact {artifact}; choose a folder outside it")
+    folder = OutputFolder(out, ReleaseError, log, archive=True)  # an earlier --archive may have left OUT.tar
+    folder.prepare({"artifact": artifact, "report": report_path}, force)
     tar_path, tar_sum_path = archive_paths(out)
-    if archive and (tar_path.exists() or tar_sum_path.exists()):
-        raise ReleaseError(f"{tar_path} already exists; choose a new folder name or move it away")
     inputs = _read_inputs(artifact, report_path)
     problems = inputs.problems()
     if problems and not force:
-        raise ReleaseError(f"refusing to package {artifact}:\n  " + "\n  ".join(problems)
-                           + "\n(--force packages it anyway, with a warning at the top of the model card)")
+        raise ReleaseError(f"refusing to package {artifact}: " + "; ".join(problems)
+                           + " (--force packages it anyway, with a warning at the top of the model card)")
     for p in problems:
         log(f"warning (--force): {p}")
 
     sources = {p.name: p for p in inputs.files} | {f"{VALIDATION_DIR}/{p.name}": p for p in inputs.attachments}
     total = sum(p.stat().st_size for p in sources.values())
-    out.parent.mkdir(parents=True, exist_ok=True)
-    _check_disk(out.parent, total * (2 if archive else 1) + 1024 * 1024)
-    tmp = out.parent / f".{out.name}.npuport-partial"
-    tar_tmp = tar_path.parent / f".{tar_path.name}.npuport-partial"
-    placed: list[Path] = []
-    shutil.rmtree(tmp, ignore_errors=True)
-    tmp.mkdir()
-    try:
+    with folder.building(total * (2 if archive else 1) + 1024 * 1024, "release") as tmp:
         log(f"copying and hashing {len(sources)} files ({total / GB:.2f} GB)")
         if inputs.attachments:
             (tmp / VALIDATION_DIR).mkdir()
@@ -247,19 +372,10 @@ def package_release(artifact: str | Path, out: str | Path, report: str | Path | 
         digests[CARD_NAME] = hashlib.sha256(card).hexdigest()
         (tmp / SUMS_NAME).write_text(format_sums(digests), encoding="utf-8")
         if archive:
-            tar_tmp.unlink(missing_ok=True)
             log(f"writing {tar_path.name}")
-            tar_digest = write_archive(tmp, out.name, tar_tmp)
-            tar_tmp.rename(tar_path)
-            placed.append(tar_path)
-            tar_sum_path.write_text(format_sums({tar_path.name: tar_digest}), encoding="utf-8")
-            placed.append(tar_sum_path)
-        tmp.rename(out)
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
-        for p in [tar_tmp, *placed]:
-            p.unlink(missing_ok=True)
-        raise
+            tar_digest = write_archive(tmp, out.name, folder.partial(tar_path))
+            folder.partial(tar_sum_path).write_text(format_sums({tar_path.name: tar_digest}), encoding="utf-8")
+        folder.commit()
     log(f"wrote release {out} ({len(digests)} files, {total / GB:.2f} GB)" + (f" and {tar_path.name}" if archive
                                                                                else ""))
     return out

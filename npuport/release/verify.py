@@ -1,60 +1,90 @@
-"""`npuport verify-release`: every check a packaged release must pass, each problem listed: checksums,
-the checkpoint contract, the model card's figures against report.json, and no BF16 source files anywhere."""
+"""`npuport verify-release`: every check a packaged release must pass, each problem listed: the path rule for
+every file it holds or names, checksums, the release contract, the model card's figures against report.json,
+the report bound to these weights, and no BF16 source files or code anywhere."""
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 
-from npuport.checksums import SUMS_NAME, parse_sums, sha256_file
+from npuport.checksums import SUMS_NAME, listing_checksum, parse_sums, sha256_file
 from npuport.convert.check import check_artifact
-from npuport.convert.converter import MANIFEST_NAME
 from npuport.errors import NpuportError
-from npuport.release.model_card import FORCED_MARK, read_front_matter
+from npuport.release.model_card import FORCED_MARK, VERIFY_CANNOT_PROVE, VERIFY_PROVES, read_front_matter
 from npuport.release.package import (
     CARD_NAME,
+    CHECKSUM_KEY,
     RECIPE_SUFFIX,
     REPORT_NAME,
     VALIDATION_DIR,
+    checksum_mismatch,
+    code_problems,
     failed_gates,
+    from_artifact,
+    index_shard_problems,
     load_report,
+    missing_release_files,
+    path_rule_problem,
     recipe_files,
 )
 from npuport.release.results_table import compare_results, parse_results_table
 
 FRONT_MATTER_KEYS = ("license", "base_model", "tags")
+SCOPE = VERIFY_PROVES + " " + VERIFY_CANNOT_PROVE  # what an OK from verify-release means, and what it cannot
 
 
-def _release_files(folder: Path) -> set[str]:
-    return {p.relative_to(folder).as_posix() for p in folder.rglob("*") if p.is_file() and p.name != SUMS_NAME}
+def walk_release(folder: Path) -> tuple[list[str], list[str]]:
+    """The release's files (relative paths of regular files inside it, sorted) and a problem for each entry that
+    breaks the path rule: a symlink that resolves outside the folder, or something that is not a regular file.
+    Nothing out of the folder is followed: a symlinked folder is checked, never entered."""
+    files, problems = [], []
+    for root, dirs, names in os.walk(folder):  # followlinks=False
+        here = Path(root)
+        for name in dirs:
+            rel = (here / name).relative_to(folder).as_posix()
+            if (here / name).is_symlink() and (problem := path_rule_problem(folder, rel, "the folder listing",
+                                                                            must_exist=False)):
+                problems.append(problem)
+        for name in names:
+            rel = (here / name).relative_to(folder).as_posix()
+            problem = path_rule_problem(folder, rel, "the folder listing")
+            if problem:
+                problems.append(problem)
+            else:
+                files.append(rel)
+    return sorted(files), problems
 
 
-def check_checksums(folder: Path) -> list[str]:
-    """SHA256SUMS lists every file of the release, and every listed file still has its digest."""
+def check_checksums(folder: Path, digests: dict[str, str]) -> list[str]:
+    """SHA256SUMS lists every file of the release with its digest (`digests`: each file's actual SHA-256 by
+    relative path, SHA256SUMS excluded), and names no file outside the release (a violation, not followed)."""
     sums = folder / SUMS_NAME
     if not sums.is_file():
         return [f"{SUMS_NAME} is missing"]
-    digests, problems = parse_sums(sums.read_text(encoding="utf-8"))
-    present = _release_files(folder)
-    for rel, digest in sorted(digests.items()):
-        if rel not in present:
+    listed, problems = parse_sums(sums.read_text(encoding="utf-8"))
+    for rel, digest in sorted(listed.items()):
+        outside = path_rule_problem(folder, rel, SUMS_NAME, must_exist=False)
+        if outside:
+            problems.append(outside)
+        elif rel not in digests:
             problems.append(f"{rel}: listed in {SUMS_NAME} but missing")
-        elif sha256_file(folder / rel) != digest:
+        elif digests[rel] != digest:
             problems.append(f"{rel}: SHA-256 differs from {SUMS_NAME} (changed after packaging)")
-    problems += [f"{rel}: not listed in {SUMS_NAME} (added after packaging)" for rel in sorted(present - set(digests))]
-    return problems
+    added = sorted(set(digests) - set(listed))
+    return problems + [f"{rel}: not listed in {SUMS_NAME} (added after packaging)" for rel in added]
 
 
-def check_release_files(folder: Path) -> list[str]:
-    """The files a release adds to the contract's: the manifest, one recipe, and no weights or index outside
-    the top level (check_artifact covers the top level)."""
-    problems = []
-    if not (folder / MANIFEST_NAME).is_file():
-        problems.append(f"{MANIFEST_NAME} is missing (the ignore-list and provenance)")
+def check_release_files(folder: Path, files: list[str]) -> list[str]:
+    """The release contract (RELEASE_FILES), one recipe, no code, and no weights or index outside the top level
+    (check_artifact covers the top level). `files`: the release's files, as walk_release lists them."""
+    problems = missing_release_files(folder, [rel for rel in files if "/" not in rel])
     if len(recipe_files(folder)) != 1:
         problems.append(f"expected one *{RECIPE_SUFFIX} (the recipe applied), found {len(recipe_files(folder))}")
-    for p in sorted(folder.rglob("*")):
-        if p.parent != folder and (p.name.endswith(".safetensors") or p.name.endswith("index.json")):
-            problems.append(f"{p.relative_to(folder).as_posix()}: weights or an index outside the top level")
+    problems += code_problems(folder, files)
+    for rel in files:
+        name = rel.rsplit("/", 1)[-1]
+        if "/" in rel and (name.endswith(".safetensors") or name.endswith("index.json")):
+            problems.append(f"{rel}: weights or an index outside the top level")
     return problems
 
 
@@ -87,13 +117,41 @@ def check_card(folder: Path) -> list[str]:
     return problems
 
 
+def check_report_binding(folder: Path, digests: dict[str, str]) -> list[str]:
+    """validation/report.json's artifact_checksum equals the checksum of the release's weights and configs,
+    recomputed from the files (`digests`, as check_checksums takes them): the figures were measured on them."""
+    report_path = folder / VALIDATION_DIR / REPORT_NAME
+    if not report_path.is_file():
+        return []
+    try:
+        recorded = load_report(report_path).get(CHECKSUM_KEY)
+    except NpuportError:
+        return []  # check_card reports a report that does not load
+    if recorded is None:
+        return []  # the card says that nothing ties its figures to the weights
+    actual = listing_checksum({rel: digest for rel, digest in digests.items() if from_artifact(rel)})
+    if recorded == actual:
+        return []
+    label = f"{VALIDATION_DIR}/{REPORT_NAME}"
+    if not isinstance(recorded, str):
+        return [f"{label}: {CHECKSUM_KEY} must be a string, is {type(recorded).__name__}"]
+    return [checksum_mismatch(label, recorded, actual, "this release's weights and configs")]
+
+
 def verify_release(folder: str | Path) -> list[str]:
-    """Every problem found in the release folder `folder` (empty when it is sound)."""
+    """Every problem found in the release folder `folder` (empty when it is sound; SCOPE says what that proves).
+    A path that leads out of the folder is reported and never followed: with one in the folder itself nothing
+    else is read; with one in the weight index the contract check (which reads the shards) is skipped."""
     folder = Path(folder)
     if not folder.is_dir():
         return [f"{folder}: not a folder"]
-    problems = check_checksums(folder)
-    problems += [f"contract: {p}" for p in check_artifact(folder)]
-    problems += check_release_files(folder)
+    files, problems = walk_release(folder)
+    if problems:
+        return problems
+    digests = {rel: sha256_file(folder / rel) for rel in files if rel != SUMS_NAME}
+    problems = check_checksums(folder, digests)
+    outside = index_shard_problems(folder)
+    problems += outside if outside else [f"contract: {p}" for p in check_artifact(folder)]
+    problems += check_release_files(folder, files)
     problems += check_card(folder)
-    return problems
+    return problems + check_report_binding(folder, digests)

@@ -11,6 +11,7 @@ from pathlib import Path
 import torch
 
 from npuport.errors import NpuportError
+from npuport.jsonfile import read_json_object
 from npuport.runtime.generate import AcceptanceStats, generate
 from npuport.runtime.loader import load_model
 from npuport.runtime.model import Qwen35
@@ -47,6 +48,17 @@ def finish_completion(tokens: Sequence[int], decode: Decode, stop: Sequence[str]
     return EndpointCompletion(cut_at_stop(decode(tokens[:low]), stop), low, "stop")
 
 
+def context_tokens_of(path: Path) -> int | None:
+    """The model's context in tokens: `max_position_embeddings` of config.json (its `text_config` first, as
+    ModelConfig reads the sizes); None when it states none."""
+    config = read_json_object(path / "config.json")
+    for section in (config.get("text_config") or {}, config):
+        value = section.get("max_position_embeddings") if isinstance(section, dict) else None
+        if isinstance(value, int) and not isinstance(value, bool) and value > 0:
+            return value
+    return None
+
+
 def merge_acceptance(parts: Sequence[AcceptanceStats]) -> AcceptanceStats | None:
     """The statistics of several batches as one (their requests side by side); None for no batch."""
     if not parts:
@@ -68,10 +80,11 @@ class RuntimeBatch(EndpointBatch):
 class RuntimeCompletions:
     """Completes text prompts with a loaded model: `batch_size` prompts per `generate` call, in order, with
     `mtp` draft tokens per round (0: plain decoding). The same `complete` signature as CompletionsEndpoint,
-    so a GSM8K run does not care which one it drives."""
+    so a GSM8K run does not care which one it drives. `context_tokens`: the model's context (None: unknown),
+    for callers that bound prompt + max_tokens by it."""
 
     def __init__(self, model: Qwen35, tokenizer, stop_tokens: Sequence[int] = (), *, batch_size: int = 1,
-                 mtp: int = 0) -> None:
+                 mtp: int = 0, context_tokens: int | None = None) -> None:
         if batch_size < 1:
             raise NpuportError(f"batch size must be at least 1, got {batch_size}")
         self.model = model
@@ -79,6 +92,7 @@ class RuntimeCompletions:
         self.stop_tokens = frozenset(stop_tokens)
         self.batch_size = batch_size
         self.mtp = mtp
+        self.context_tokens = context_tokens
 
     @classmethod
     def load(cls, path: Path | str, *, device: torch.device | str | None = None, dtype: str = "bfloat16",
@@ -92,7 +106,8 @@ class RuntimeCompletions:
             raise NpuportError(f"{path} has no tokenizer (tokenizer.json / tokenizer_config.json); text prompts "
                                "need one")
         model = load_model(path, device, DTYPES[dtype])
-        return cls(model, tokenizer, stop_token_ids(path), batch_size=batch_size, mtp=mtp)
+        return cls(model, tokenizer, stop_token_ids(path), batch_size=batch_size, mtp=mtp,
+                   context_tokens=context_tokens_of(path))
 
     def encode(self, prompt: str) -> list[int]:
         return list(self.tokenizer.encode(prompt))
@@ -106,7 +121,14 @@ class RuntimeCompletions:
                  progress: Callable[[int], None] | None = None) -> RuntimeBatch:
         """Complete every prompt (greedy unless `sampling` says otherwise); `progress(done)` after each batch.
         `latency_s` is the wall time of generation and decoding, tokenization excluded."""
-        prompt_ids = [self.encode(p) for p in prompts]
+        return self.complete_ids([self.encode(p) for p in prompts], max_tokens=max_tokens, stop=stop,
+                                 sampling=sampling, progress=progress)
+
+    def complete_ids(self, prompt_ids: Sequence[list[int]], *, max_tokens: int, stop: Sequence[str] = (),
+                     sampling: SamplingParams | None = None,
+                     progress: Callable[[int], None] | None = None) -> RuntimeBatch:
+        """`complete` for prompts already tokenized (e.g. by a server that checks their length first)."""
+        prompt_ids = [list(ids) for ids in prompt_ids]
         tokens: list[list[int]] = []
         stats: list[AcceptanceStats] = []
         start = time.perf_counter()

@@ -1,18 +1,29 @@
 """A client for an OpenAI-compatible `/v1/completions` server (sglang, vllm-ascend), standard library only:
-greedy completions of many prompts in parallel, with retries, and the wall latency of the batch."""
+greedy completions of many prompts in parallel, each question's answer or error as it arrives, retries that
+honour Retry-After, a wall-clock deadline per request, and a run that stops for good when the server is lost."""
 
 from __future__ import annotations
 
+import email.utils
+import errno
 import http.client
 import json
+import math
+import socket
+import threading
 import time
 import urllib.error
 import urllib.request
 from collections.abc import Callable, Sequence
-from concurrent.futures import ThreadPoolExecutor, as_completed
+from concurrent.futures import CancelledError, Future, ThreadPoolExecutor, as_completed
 from dataclasses import dataclass
 
 from npuport.errors import EndpointError
+
+DEFAULT_MAX_RETRY_AFTER_S = 60.0  # a server asking for longer is waited on this long, then tried again
+DEFAULT_FAILURES_TO_GIVE_UP = 8  # questions failed in a row (after their retries) that end the run
+_DEADLINE = "deadline"
+_GIVEN_UP = "given up"
 
 
 def completions_url(base_url: str) -> str:
@@ -29,11 +40,17 @@ def completions_url(base_url: str) -> str:
 
 @dataclass(frozen=True)
 class EndpointCompletion:
-    """One prompt's answer: the text and `usage.completion_tokens` (None when the server did not say)."""
+    """One prompt's answer: the text and `usage.completion_tokens` (None when the server did not say).
+    A question that got no usable answer has `error` set (one line) and the empty text, which scores as wrong."""
 
     text: str
     completion_tokens: int | None
     finish_reason: str | None = None
+    error: str | None = None
+
+    @classmethod
+    def failed(cls, error: str) -> EndpointCompletion:
+        return cls("", None, None, error)
 
 
 @dataclass(frozen=True)
@@ -49,91 +66,365 @@ class EndpointBatch:
 
     @property
     def completion_tokens(self) -> int | None:
-        """Total completion tokens, or None if any answer lacked a count."""
-        counts = [c.completion_tokens for c in self.completions]
+        """Total completion tokens of the answered questions, or None if any answer lacked a count."""
+        counts = [c.completion_tokens for c in self.completions if c.error is None]
         return None if any(c is None for c in counts) else sum(counts)
+
+    @property
+    def failures(self) -> dict[int, str]:
+        """Question index -> the error of each question that got no usable answer."""
+        return {i: c.error for i, c in enumerate(self.completions) if c.error is not None}
+
+
+class QuestionFailed(EndpointError):
+    """One prompt got no usable answer. The message starts with the URL; `reason` is the rest, and
+    `unreachable` says no connection could be made at all (refused, unknown host, no route)."""
+
+    def __init__(self, url: str, reason: str, *, unreachable: bool = False):
+        super().__init__(f"{url}: {reason}")
+        self.reason = reason
+        self.unreachable = unreachable
+
+
+class EndpointGivenUp(EndpointError):
+    """The run stopped: the server is unreachable or too many questions failed in a row. `answered` holds
+    every question that ended before (index -> its answer or failure); nothing was sent after."""
+
+    def __init__(self, message: str, answered: dict[int, EndpointCompletion]):
+        super().__init__(message)
+        self.answered = answered
 
 
 class _Transient(Exception):
-    """A failure worth another attempt: no connection, a timeout, HTTP 429 or 5xx."""
+    """A failure worth another attempt: no connection, the deadline passed, HTTP 429 or 5xx."""
+
+    def __init__(self, message: str, *, unreachable: bool = False, retry_after: float | None = None):
+        super().__init__(message)
+        self.unreachable = unreachable
+        self.retry_after = retry_after
+
+
+class _Cancelled(Exception):
+    """The run was given up before this request ended; the question stays unanswered, not failed."""
+
+
+# ---------------------------------------------------------------------------------------------------------
+# One HTTP exchange that another thread can cut short
+
+
+def _shutdown(sock: socket.socket) -> None:
+    try:  # the plain socket's shutdown, also for TLS: it unblocks the reader without touching the TLS state
+        socket.socket.shutdown(sock, socket.SHUT_RDWR)
+    except OSError:  # already closed by the peer or by us
+        pass
+
+
+class _Exchange:
+    """One request and its answer on their own connection. `cut(reason)` shuts the socket down from any
+    thread, so a connect, send or read blocked on it returns at once; urllib's `timeout` alone bounds each
+    socket operation, not the exchange (a server dripping a byte a second would never time out)."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._sock: socket.socket | None = None
+        self.cut_reason: str | None = None
+
+    def attach(self, sock: socket.socket) -> None:
+        """Called once connected: a cut that came during the connect takes effect now."""
+        with self._lock:
+            self._sock = sock
+            already_cut = self.cut_reason is not None
+        if already_cut:
+            _shutdown(sock)
+
+    def cut(self, reason: str) -> None:
+        with self._lock:
+            if self.cut_reason is None:
+                self.cut_reason = reason
+            sock = self._sock
+        if sock is not None:
+            _shutdown(sock)
+
+
+class _CuttableHTTPConnection(http.client.HTTPConnection):
+    def __init__(self, host: str, *, exchange: _Exchange, **kwargs):
+        super().__init__(host, **kwargs)
+        self._exchange = exchange
+
+    def connect(self) -> None:
+        super().connect()
+        self._exchange.attach(self.sock)
+
+
+class _CuttableHTTPSConnection(http.client.HTTPSConnection):
+    def __init__(self, host: str, *, exchange: _Exchange, **kwargs):
+        super().__init__(host, **kwargs)
+        self._exchange = exchange
+
+    def connect(self) -> None:
+        super().connect()
+        self._exchange.attach(self.sock)
+
+
+class _CuttableHTTPHandler(urllib.request.HTTPHandler):
+    def __init__(self, exchange: _Exchange):
+        super().__init__()
+        self._exchange = exchange
+
+    def http_open(self, req):
+        return self.do_open(_CuttableHTTPConnection, req, exchange=self._exchange)
+
+
+class _CuttableHTTPSHandler(urllib.request.HTTPSHandler):
+    def __init__(self, exchange: _Exchange):
+        super().__init__()
+        self._exchange = exchange
+
+    def https_open(self, req):
+        return self.do_open(_CuttableHTTPSConnection, req, context=self._context, exchange=self._exchange)
+
+
+class _Run:
+    """The requests of one `complete` call and when to give the endpoint up. Each question that ends is
+    counted at once, in the worker thread, so the decision does not wait for the caller's thread; `stop()`
+    cuts every exchange in flight and refuses new ones (retry waits on `stopped` end at once too), so that
+    nothing is sent once the endpoint is given up."""
+
+    def __init__(self, failures_to_give_up: int) -> None:
+        self._lock = threading.Lock()
+        self._open: set[_Exchange] = set()
+        self._limit = failures_to_give_up
+        self._streak = 0
+        self.stopped = threading.Event()
+        self.given_up: str | None = None  # why, once given up
+
+    def enter(self, exchange: _Exchange) -> None:
+        with self._lock:
+            if self.stopped.is_set():
+                raise _Cancelled
+            self._open.add(exchange)
+
+    def leave(self, exchange: _Exchange) -> None:
+        with self._lock:
+            self._open.discard(exchange)
+
+    def ended(self, failure: QuestionFailed | None) -> None:
+        """Count a question that ended (failure None: answered); give up when the server is unreachable or
+        the last `failures_to_give_up` questions all failed."""
+        with self._lock:
+            if self.stopped.is_set():
+                return
+            self._streak = 0 if failure is None else self._streak + 1
+            if failure is not None and failure.unreachable:
+                self.given_up = failure.reason
+            elif self._streak >= self._limit:
+                self.given_up = f"{self._streak} question(s) in a row failed, the last: {failure.reason}"
+        if self.given_up is not None:
+            self.stop()
+
+    def stop(self) -> None:
+        with self._lock:
+            self.stopped.set()
+            in_flight = list(self._open)
+        for exchange in in_flight:
+            exchange.cut(_GIVEN_UP)
+
+
+# ---------------------------------------------------------------------------------------------------------
+
+
+def retry_after_seconds(value: str | None, cap: float) -> float | None:
+    """The wait a `Retry-After` header asks for, at most `cap`: delay-seconds ("120") or an HTTP date;
+    None when absent or unreadable."""
+    if not value:
+        return None
+    value = value.strip()
+    try:
+        seconds = float(value)
+    except ValueError:
+        try:
+            when = email.utils.parsedate_to_datetime(value)
+        except (TypeError, ValueError):
+            return None
+        seconds = when.timestamp() - time.time()
+    if not math.isfinite(seconds):
+        return None
+    return min(max(seconds, 0.0), cap)
+
+
+_UNREACHABLE_ERRNOS = {errno.ECONNREFUSED, errno.EHOSTUNREACH, errno.ENETUNREACH, errno.EADDRNOTAVAIL}
+
+
+def _is_unreachable(reason: object) -> bool:
+    """Whether a connect failure says nobody serves at that address (rather than a slow or flaky server)."""
+    return isinstance(reason, (ConnectionRefusedError, socket.gaierror)) or (
+        isinstance(reason, OSError) and reason.errno in _UNREACHABLE_ERRNOS)
 
 
 class CompletionsEndpoint:
     """Greedy completions from `<url>/v1/completions`.
 
-    Each request sends `model`, `prompt`, `max_tokens`, `temperature` 0 and `stop`. A request is tried
-    1 + `retries` times when the connection fails, the server does not answer within `timeout_s` (applied
-    to the connect and to every read, as urllib does), or it answers HTTP 429 or 5xx; before retry i
-    (1, 2, ...) it waits `backoff_s * 2**(i-1)` seconds (defaults: 4 attempts, waits 1, 2, 4 s). Any other
-    HTTP status, a body that is not JSON, or one without `choices[0].text` fails at once. Every failure is
-    an EndpointError naming the URL. Proxy variables of the environment apply as urllib applies them."""
+    Each request sends `model`, `prompt`, `max_tokens`, `temperature` 0 and `stop`. A request has
+    `timeout_s` of wall-clock time from connect to the last byte of the answer; past it the connection is
+    closed. A request is tried 1 + `retries` times when the connection fails, the deadline passes, or the
+    server answers HTTP 429 or 5xx; before retry i (1, 2, ...) it waits what a 429/503 `Retry-After` header
+    asks (at most `max_retry_after_s`), else `backoff_s * 2**(i-1)` seconds (defaults: 4 attempts, waits
+    1, 2, 4 s). Any other HTTP status, a body that is not JSON, or one without `choices[0].text` fails the
+    question at once. Errors are one line naming the URL. Proxy variables of the environment apply as urllib
+    applies them."""
 
     def __init__(self, url: str, model: str, *, parallel: int = 16, timeout_s: float = 600.0, retries: int = 3,
-                 backoff_s: float = 1.0, api_key: str | None = None):
-        if parallel < 1 or retries < 0 or timeout_s <= 0 or backoff_s < 0:
-            raise ValueError("need parallel >= 1, retries >= 0, timeout_s > 0, backoff_s >= 0")
+                 backoff_s: float = 1.0, api_key: str | None = None,
+                 max_retry_after_s: float = DEFAULT_MAX_RETRY_AFTER_S,
+                 failures_to_give_up: int = DEFAULT_FAILURES_TO_GIVE_UP):
+        if (parallel < 1 or retries < 0 or timeout_s <= 0 or backoff_s < 0 or max_retry_after_s < 0
+                or failures_to_give_up < 1):
+            raise ValueError("need parallel >= 1, retries >= 0, timeout_s > 0, backoff_s >= 0, "
+                             "max_retry_after_s >= 0, failures_to_give_up >= 1")
         self.url = completions_url(url)
         self.model = model
         self.parallel = parallel
         self.timeout_s = timeout_s
         self.retries = retries
         self.backoff_s = backoff_s
+        self.max_retry_after_s = max_retry_after_s
+        self.failures_to_give_up = failures_to_give_up
         self._headers = {"Content-Type": "application/json", "Accept": "application/json"}
         if api_key:
             self._headers["Authorization"] = f"Bearer {api_key}"
 
     def complete(self, prompts: Sequence[str], *, max_tokens: int, stop: Sequence[str] = (),
-                 progress: Callable[[int], None] | None = None) -> EndpointBatch:
-        """Complete every prompt, `parallel` requests at a time; `progress(done)` after each answer.
-        The first prompt that fails for good raises its EndpointError; requests not yet sent are dropped."""
-        results: list[EndpointCompletion | None] = [None] * len(prompts)
+                 progress: Callable[[int], None] | None = None,
+                 on_answer: Callable[[int, EndpointCompletion], None] | None = None) -> EndpointBatch:
+        """Complete every prompt, `parallel` requests at a time. A question that fails for good (after its
+        retries) is recorded as failed and the run goes on; `on_answer(index, completion)` and then
+        `progress(done)` are called as each question ends, in the calling thread.
+
+        The endpoint is given up when it is unreachable, or when the last `failures_to_give_up` questions
+        to end (every question, in a shorter run) all failed: requests in flight are then cut, no request
+        is sent any more, and EndpointGivenUp is raised with what had ended."""
+        answered: dict[int, EndpointCompletion] = {}
+
+        def deliver(index: int, future: Future) -> None:
+            try:
+                answer = future.result()
+            except (_Cancelled, CancelledError):
+                return
+            except QuestionFailed as e:
+                answer = EndpointCompletion.failed(e.reason)
+            answered[index] = answer
+            if on_answer is not None:
+                on_answer(index, answer)
+            if progress is not None:
+                progress(len(answered))
+
+        run = _Run(min(self.failures_to_give_up, len(prompts)))
         start = time.perf_counter()
         pool = ThreadPoolExecutor(max_workers=max(1, min(self.parallel, len(prompts))))
         try:
-            futures = {pool.submit(self.complete_one, p, max_tokens=max_tokens, stop=stop): i
-                       for i, p in enumerate(prompts)}
-            for done, future in enumerate(as_completed(futures), start=1):
-                results[futures[future]] = future.result()
-                if progress is not None:
-                    progress(done)
+            futures = {pool.submit(self._counted, p, max_tokens, stop, run): i for i, p in enumerate(prompts)}
+            for future in as_completed(futures):
+                deliver(futures[future], future)
+                if run.stopped.is_set():
+                    break
+            if run.given_up is not None:  # keep what ended before the give-up and was not delivered yet
+                for future, index in futures.items():
+                    if index not in answered and future.done():
+                        deliver(index, future)
         finally:
+            run.stop()  # whatever ends the loop (done, given up, an exception): nothing is sent after this
             pool.shutdown(wait=False, cancel_futures=True)
-        latency = time.perf_counter() - start
-        return EndpointBatch([r for r in results if r is not None], latency)
+        if run.given_up is not None:
+            failed = sum(a.error is not None for a in answered.values())
+            raise EndpointGivenUp(
+                f"{self.url}: stopped sending requests ({run.given_up}); {len(answered) - failed} of "
+                f"{len(prompts)} question(s) answered, {failed} failed, the rest not sent or cut", answered)
+        return EndpointBatch([answered[i] for i in range(len(prompts))], time.perf_counter() - start)
 
     def complete_one(self, prompt: str, *, max_tokens: int, stop: Sequence[str] = ()) -> EndpointCompletion:
-        """One greedy completion, with the retries described on the class."""
+        """One greedy completion, with the retries described on the class; QuestionFailed if it fails."""
+        return self._complete(prompt, max_tokens, stop, None)
+
+    # -----------------------------------------------------------------------------------------------------
+
+    def _counted(self, prompt: str, max_tokens: int, stop: Sequence[str], run: _Run) -> EndpointCompletion:
+        """`_complete`, and the run told that the question ended."""
+        try:
+            answer = self._complete(prompt, max_tokens, stop, run)
+        except QuestionFailed as e:
+            run.ended(e)
+            raise
+        run.ended(None)
+        return answer
+
+    def _complete(self, prompt: str, max_tokens: int, stop: Sequence[str], run: _Run | None) -> EndpointCompletion:
         payload = json.dumps({"model": self.model, "prompt": prompt, "max_tokens": max_tokens,
                               "temperature": 0, "stop": list(stop)}).encode("utf-8")
         attempts = self.retries + 1
-        failure = ""
+        failure = _Transient("not tried")
         for attempt in range(attempts):
             if attempt:
-                time.sleep(self.backoff_s * 2 ** (attempt - 1))
+                wait = (failure.retry_after if failure.retry_after is not None
+                        else self.backoff_s * 2 ** (attempt - 1))
+                if run is None:
+                    time.sleep(wait)
+                elif run.stopped.wait(wait):
+                    raise _Cancelled
             try:
-                body = self._post(payload)
+                body = self._exchange(payload, run)
             except _Transient as e:
-                failure = str(e)
+                failure = e
                 continue
             return self._parse(body)
-        raise EndpointError(f"{self.url}: gave up after {attempts} attempt(s), the last: {failure}")
+        raise QuestionFailed(self.url, f"gave up after {attempts} attempt(s), the last: {failure}",
+                             unreachable=failure.unreachable)
 
-    def _post(self, payload: bytes) -> bytes:
-        request = urllib.request.Request(self.url, data=payload, headers=self._headers, method="POST")
+    def _exchange(self, payload: bytes, run: _Run | None) -> bytes:
+        """POST the payload and read the whole answer within the deadline; the body of a 2xx answer."""
+        exchange = _Exchange()
+        if run is not None:
+            run.enter(exchange)
+        deadline = threading.Timer(self.timeout_s, exchange.cut, args=(_DEADLINE,))
+        deadline.daemon = True
+        deadline.start()
         try:
-            with urllib.request.urlopen(request, timeout=self.timeout_s) as response:
+            try:
+                body = self._post(payload, exchange)
+            except (_Transient, QuestionFailed):
+                self._raise_if_cut(exchange)
+                raise
+            self._raise_if_cut(exchange)  # a cut read can look complete when the server sent no length
+            return body
+        finally:
+            deadline.cancel()
+            if run is not None:
+                run.leave(exchange)
+
+    def _raise_if_cut(self, exchange: _Exchange) -> None:
+        if exchange.cut_reason == _GIVEN_UP:
+            raise _Cancelled
+        if exchange.cut_reason == _DEADLINE:
+            raise _Transient(f"no answer within {self.timeout_s:g} s")
+
+    def _post(self, payload: bytes, exchange: _Exchange) -> bytes:
+        request = urllib.request.Request(self.url, data=payload, headers=self._headers, method="POST")
+        opener = urllib.request.build_opener(_CuttableHTTPHandler(exchange), _CuttableHTTPSHandler(exchange))
+        try:
+            with opener.open(request, timeout=self.timeout_s) as response:
                 return response.read()
         except urllib.error.HTTPError as e:
-            detail = _snippet(e.read() if e.fp is not None else b"")
+            detail = _snippet(_error_body(e))
             if e.code == 429 or e.code >= 500:
-                raise _Transient(f"HTTP {e.code} {detail}") from e
-            raise EndpointError(f"{self.url} answered HTTP {e.code}: {detail}") from e
+                wait = (retry_after_seconds(e.headers.get("Retry-After"), self.max_retry_after_s)
+                        if e.code in (429, 503) and e.headers is not None else None)
+                raise _Transient(f"HTTP {e.code} {detail}", retry_after=wait) from e
+            raise QuestionFailed(self.url, f"answered HTTP {e.code}: {detail}") from e
         except TimeoutError as e:
             raise _Transient(f"no answer within {self.timeout_s:g} s") from e
         except urllib.error.URLError as e:
             if isinstance(e.reason, TimeoutError):
                 raise _Transient(f"no answer within {self.timeout_s:g} s") from e
-            raise _Transient(f"unreachable ({e.reason})") from e
+            raise _Transient(f"unreachable ({e.reason})", unreachable=_is_unreachable(e.reason)) from e
         except (http.client.HTTPException, OSError) as e:  # reset, refused mid-way, bad status line
             raise _Transient(f"connection failed ({type(e).__name__}: {e})") from e
 
@@ -141,16 +432,26 @@ class CompletionsEndpoint:
         try:
             data = json.loads(body)
         except (json.JSONDecodeError, UnicodeDecodeError) as e:
-            raise EndpointError(f"{self.url} answered malformed JSON: {_snippet(body)}") from e
+            raise QuestionFailed(self.url, f"answered malformed JSON: {_snippet(body)}") from e
         choices = data.get("choices") if isinstance(data, dict) else None
         if not isinstance(choices, list) or not choices or not isinstance(choices[0], dict):
-            raise EndpointError(f"{self.url} answered without choices: {_snippet(body)}")
+            raise QuestionFailed(self.url, f"answered without choices: {_snippet(body)}")
         text = choices[0].get("text")
         if not isinstance(text, str):
-            raise EndpointError(f"{self.url} answered a choice without text: {_snippet(body)}")
+            raise QuestionFailed(self.url, f"answered a choice without text: {_snippet(body)}")
         usage = data.get("usage")
         tokens = usage.get("completion_tokens") if isinstance(usage, dict) else None
-        return EndpointCompletion(text, tokens if isinstance(tokens, int) else None, choices[0].get("finish_reason"))
+        reason = choices[0].get("finish_reason")
+        return EndpointCompletion(text, tokens if isinstance(tokens, int) else None,
+                                  reason if isinstance(reason, str) else None)
+
+
+def _error_body(error: urllib.error.HTTPError) -> bytes:
+    """The start of an error answer's body; whatever the connection does meanwhile (cut at the deadline)."""
+    try:
+        return error.read(4096) if error.fp is not None else b""
+    except (http.client.HTTPException, OSError):
+        return b""
 
 
 def _snippet(body: bytes, limit: int = 200) -> str:

@@ -1,11 +1,13 @@
-"""The pass/fail verdicts of a validation run: accuracy no more than N points below the reference, and MTP mean
-acceptance length no lower than a floor (VALIDATION.md, "Tolerances in use elsewhere")."""
+"""The pass/fail verdicts of a validation run: accuracy no more than N points below the reference, MTP mean
+acceptance length no lower than a floor (VALIDATION.md, "Tolerances in use elsewhere"), and every question
+answered when an endpoint ran them."""
 
 from __future__ import annotations
 
-from npuport.runtime.validation.report import AccuracyRow, Gate, MTPAcceptance
+from npuport.runtime.validation.report import AccuracyRow, FailedQuestions, Gate, MTPAcceptance
 
 DEFAULT_MAX_ACCURACY_DROP = 1.0  # points: vllm-ascend nightly's |accuracy - baseline| <= 1 on most GSM8K cases
+_QUESTIONS_NAMED = 20  # failed questions a gate's detail names before "and N more" (report.json lists them all)
 
 
 def accuracy_drop_gate(row: AccuracyRow, max_drop_points: float, candidate: str = "W8A8",
@@ -33,3 +35,15 @@ def acceptance_gate(mtp: MTPAcceptance, min_length: float) -> Gate:
               + f"; per draft position [{rates}]")
     return Gate(f"min-acceptance {min_length:g} (mean acceptance length)", mtp.mean_acceptance_length >= min_length,
                 detail)
+
+
+def answered_gate(failed: FailedQuestions) -> Gate:
+    """Fails when any question got no usable answer: its score (wrong) then measures the server, not the model."""
+    if not failed.errors:
+        return Gate("every question answered", True, f"{failed.label}: all {failed.num_questions} questions answered")
+    named = ", ".join(map(str, failed.questions[:_QUESTIONS_NAMED]))
+    more = len(failed.errors) - _QUESTIONS_NAMED
+    detail = (f"{failed.label}: {len(failed.errors)} of {failed.num_questions} questions failed (question "
+              f"{named}{f' and {more} more' if more > 0 else ''}), scored as wrong; the first error: "
+              f"{failed.errors[failed.questions[0]]}")
+    return Gate("every question answered", False, detail)

@@ -101,6 +101,21 @@ class Gate:
 
 
 @dataclass
+class FailedQuestions:
+    """The questions of one model's GSM8K run that got no usable answer (an endpoint's per-question errors:
+    a malformed answer, an HTTP error after the retries, the deadline), by question number (0-based, as in
+    completions.jsonl), each with its one-line error. They are scored as wrong."""
+
+    label: str
+    num_questions: int
+    errors: dict[int, str] = field(default_factory=dict)
+
+    @property
+    def questions(self) -> list[int]:
+        return sorted(self.errors)
+
+
+@dataclass
 class ValidationReport:
     """Everything one validation run measured. Empty sections (no reference, no MTP, ...) are left out."""
 
@@ -118,6 +133,7 @@ class ValidationReport:
     dtypes: dict[str, str] = field(default_factory=dict)
     settings: dict[str, Any] = field(default_factory=dict)  # anything else the run records (URL, batch size)
     gates: list[Gate] = field(default_factory=list)
+    failed_questions: list[FailedQuestions] = field(default_factory=list)  # runs that could fail per question
 
 
 @dataclass(frozen=True)
@@ -193,6 +209,10 @@ def report_dict(report: ValidationReport) -> dict[str, Any]:
             }
     if report.gates:
         data["gates"] = [asdict(gate) for gate in report.gates]
+    if report.failed_questions:
+        data["failed_questions"] = [
+            {"model": f.label, "num_questions": f.num_questions, "failed": len(f.errors), "questions": f.questions,
+             "errors": {str(i): f.errors[i] for i in f.questions}} for f in report.failed_questions]
     return data
 
 
@@ -334,7 +354,28 @@ def _gates_section(gates: Sequence[Gate]) -> list[str]:
     failed = sum(not gate.passed for gate in gates)
     verdict = f"{failed} of {len(gates)} gate(s) FAILED." if failed else f"All {len(gates)} gate(s) passed."
     return ["## Gates", "", verdict, ""] + _table(
-        ["gate", "result", "detail"], [[gate.name, "pass" if gate.passed else "FAIL", gate.detail] for gate in gates])
+        ["gate", "result", "detail"],
+        [[gate.name, "pass" if gate.passed else "FAIL", gate.detail.replace("|", "\\|")] for gate in gates])
+
+
+# Failed questions listed one by one in report.md; report.json lists every one.
+_FAILURES_SHOWN = 50
+
+
+def _failed_questions_section(failed: Sequence[FailedQuestions]) -> list[str]:
+    lines = ["## Failed questions", ""]
+    for f in failed:
+        if not f.errors:
+            lines += [f"{f.label}: all {f.num_questions} questions answered.", ""]
+            continue
+        lines += [f"{f.label}: **{len(f.errors)} of {f.num_questions} questions FAILED** (no usable answer; "
+                  f"scored as wrong, so the accuracy below is a lower bound and the gate fails): questions "
+                  f"{', '.join(map(str, f.questions))}.", ""]
+        shown = f.questions[:_FAILURES_SHOWN]
+        lines += _table(["question", "error"], [[str(i), f.errors[i].replace("|", "\\|")] for i in shown])
+        if len(f.errors) > len(shown):
+            lines += [f"{len(f.errors) - len(shown)} more in report.json.", ""]
+    return lines
 
 
 def render_markdown(report: ValidationReport, plots: Sequence[Path] = ()) -> str:
@@ -352,6 +393,8 @@ def render_markdown(report: ValidationReport, plots: Sequence[Path] = ()) -> str
     lines.append("")
     if report.gates:
         lines += _gates_section(report.gates)
+    if report.failed_questions:
+        lines += _failed_questions_section(report.failed_questions)
     if report.accuracy:
         lines += _accuracy_section(report) + _comparison_section(report)
     if report.fidelity is not None:

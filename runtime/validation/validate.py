@@ -1,10 +1,10 @@
 """`npuport validate --gsm8k`: one GSM8K protocol on the artifact (built-in runtime, or any OpenAI-compatible
 endpoint) and on its BF16 source, the paired comparison, fidelity, throughput, MTP acceptance and the gates,
-written as report.json, report.md, plots and completions.jsonl (VALIDATION.md)."""
+written as report.json, report.md, plots and completions.jsonl (VALIDATION.md). An endpoint's answers are also
+written to answers.jsonl as they arrive."""
 
 from __future__ import annotations
 
-import hashlib
 import json
 import platform
 from collections.abc import Callable, Sequence
@@ -14,15 +14,25 @@ from typing import Any
 
 import torch
 
-from npuport.checksums import format_sums, sha256_file
+from npuport.checksums import listing_checksum, sha256_file
 from npuport.devices import pick_device
 from npuport.errors import NpuportError
 from npuport.runtime.generate import AcceptanceStats
 from npuport.runtime.textgen import load_tokenizer
 from npuport.runtime.validation.completions import RuntimeBatch, RuntimeCompletions
-from npuport.runtime.validation.endpoint import CompletionsEndpoint, EndpointBatch
+from npuport.runtime.validation.endpoint import (
+    CompletionsEndpoint,
+    EndpointBatch,
+    EndpointCompletion,
+    EndpointGivenUp,
+)
 from npuport.runtime.validation.fidelity import measure_fidelity
-from npuport.runtime.validation.gates import DEFAULT_MAX_ACCURACY_DROP, acceptance_gate, accuracy_drop_gate
+from npuport.runtime.validation.gates import (
+    DEFAULT_MAX_ACCURACY_DROP,
+    acceptance_gate,
+    accuracy_drop_gate,
+    answered_gate,
+)
 from npuport.runtime.validation.gsm8k import (
     DEFAULT_PROTOCOL,
     LM_EVAL_SEED,
@@ -33,6 +43,7 @@ from npuport.runtime.validation.gsm8k import (
 )
 from npuport.runtime.validation.report import (
     AccuracyRow,
+    FailedQuestions,
     Gate,
     MTPAcceptance,
     ReportFiles,
@@ -43,6 +54,7 @@ from npuport.runtime.validation.report import (
 from npuport.runtime.validation.throughput import measure_throughput
 
 COMPLETIONS_NAME = "completions.jsonl"
+ANSWERS_NAME = "answers.jsonl"
 CANDIDATE_LABEL = "W8A8"
 REFERENCE_LABEL = "BF16"
 CHECKSUM_METHOD = "sha256 of the artifact's SHA256SUMS listing (the sha256 of every file, sha256sum format)"
@@ -110,8 +122,7 @@ class ValidationOutcome:
 def artifact_checksum(folder: Path) -> str:
     """sha256 of the `SHA256SUMS` text (npuport.checksums' format) of every file under `folder`."""
     files = sorted(p for p in Path(folder).rglob("*") if p.is_file())
-    listing = format_sums({p.relative_to(folder).as_posix(): sha256_file(p) for p in files})
-    return hashlib.sha256(listing.encode("utf-8")).hexdigest()
+    return listing_checksum({p.relative_to(folder).as_posix(): sha256_file(p) for p in files})
 
 
 def describe_device(device: torch.device) -> str:
@@ -140,12 +151,47 @@ def _progress(label: str, total: int, log: Log) -> Callable[[int], None]:
     return report
 
 
+def answer_row(question: int, answer: EndpointCompletion) -> dict[str, Any]:
+    """One line of answers.jsonl: the question number and the raw answer, or the error that ended it."""
+    if answer.error is not None:
+        return {"question": question, "error": answer.error}
+    return {"question": question, "text": answer.text, "completion_tokens": answer.completion_tokens,
+            "finish_reason": answer.finish_reason}
+
+
+def complete_on_endpoint(endpoint: CompletionsEndpoint, protocol: GSM8KProtocol, prompts: Sequence[str],
+                         answers: Path, progress: Callable[[int], None]) -> EndpointBatch:
+    """The endpoint's completions, each appended to `answers` (one JSON line, flushed) as it arrives, so that a
+    crash or a lost server loses nothing already answered. When the endpoint is given up, the one-line error
+    says where the answers received are."""
+    answers.parent.mkdir(parents=True, exist_ok=True)
+    with open(answers, "w", encoding="utf-8") as f:
+        def keep(question: int, answer: EndpointCompletion) -> None:
+            f.write(json.dumps(answer_row(question, answer)) + "\n")
+            f.flush()
+
+        try:
+            return endpoint.complete(prompts, max_tokens=protocol.max_new_tokens, stop=protocol.stop,
+                                     progress=progress, on_answer=keep)
+        except EndpointGivenUp as e:
+            raise EndpointGivenUp(f"{e}; what ended is in {answers}", e.answered) from None
+
+
 def run_gsm8k(runner: RuntimeCompletions | CompletionsEndpoint, protocol: GSM8KProtocol, prompts: Sequence[str],
-              label: str, log: Log) -> tuple[GSM8KResult, EndpointBatch]:
-    """Complete and score the prompts; the batch carries the texts, token counts and latency."""
+              label: str, log: Log, answers: Path | None = None) -> tuple[GSM8KResult, EndpointBatch]:
+    """Complete and score the prompts; the batch carries the texts, token counts and latency. On an endpoint
+    the answers are also written to `answers` as they arrive; a failed question is scored as its empty text."""
     log(f"{label}: GSM8K {protocol.name}, {len(prompts)} questions, up to {protocol.max_new_tokens} new tokens")
-    batch = runner.complete(prompts, max_tokens=protocol.max_new_tokens, stop=protocol.stop,
-                            progress=_progress(label, len(prompts), log))
+    progress = _progress(label, len(prompts), log)
+    if isinstance(runner, CompletionsEndpoint):
+        if answers is None:
+            raise ValueError("an endpoint run writes its answers as they arrive: give `answers`")
+        batch = complete_on_endpoint(runner, protocol, prompts, answers, progress)
+    else:
+        batch = runner.complete(prompts, max_tokens=protocol.max_new_tokens, stop=protocol.stop, progress=progress)
+    if batch.failures:
+        log(f"{label}: {len(batch.failures)} of {len(prompts)} question(s) FAILED (scored as wrong): "
+            f"{', '.join(map(str, sorted(batch.failures)))}")
     result = protocol.score(batch.texts, latency_s=batch.latency_s, completion_tokens=batch.completion_tokens)
     rate = result.output_throughput
     log(f"{label}: accuracy {result.accuracy * 100:.2f} %, invalid {result.invalid_rate * 100:.2f} %, "
@@ -178,15 +224,18 @@ def throughput_runs(runner: RuntimeCompletions, prompts: Sequence[Sequence[int]]
 
 
 def write_completions(path: Path, rows: Sequence[tuple[str, GSM8KResult, EndpointBatch]]) -> Path:
-    """One JSON line per model and question: the text scored, its prediction and verdict, tokens, finish."""
+    """One JSON line per model and question: the text scored, its prediction and verdict, tokens, finish, and
+    for a question that got no usable answer its error."""
     with open(path, "w", encoding="utf-8") as f:
         for label, result, batch in rows:
             score = result.scores[0]
             for i, c in enumerate(batch.completions):
-                f.write(json.dumps({"model": label, "question": i, "gold": result.golds[i],
-                                    "prediction": score.predictions[i], "correct": score.correct[i],
-                                    "text": c.text, "completion_tokens": c.completion_tokens,
-                                    "finish_reason": c.finish_reason}) + "\n")
+                row = {"model": label, "question": i, "gold": result.golds[i], "prediction": score.predictions[i],
+                       "correct": score.correct[i], "text": c.text, "completion_tokens": c.completion_tokens,
+                       "finish_reason": c.finish_reason}
+                if c.error is not None:
+                    row["error"] = c.error
+                f.write(json.dumps(row) + "\n")
     return path
 
 
@@ -251,7 +300,8 @@ def run_validation(options: ValidateOptions, out_dir: Path | str, log: Log = pri
         "max_new_tokens": opts.max_new_tokens, "stop": list(protocol.stop),
         "data": str(opts.data) if opts.data is not None else "GSM8K test split shipped with npuport"}
 
-    cand_result, cand_batch = run_gsm8k(candidate, protocol, prompts, CANDIDATE_LABEL, log)
+    answers = Path(out_dir) / ANSWERS_NAME
+    cand_result, cand_batch = run_gsm8k(candidate, protocol, prompts, CANDIDATE_LABEL, log, answers)
     completions = [(CANDIDATE_LABEL, cand_result, cand_batch)]
     row = AccuracyRow(cand_result)
     reference = ref_batch = None
@@ -276,8 +326,13 @@ def run_validation(options: ValidateOptions, out_dir: Path | str, log: Log = pri
                          "quantized linears": "int8 weights per channel x int8 activations per token"}
     if local:
         _measure_on_runtime(report, opts, candidate, cand_batch, reference, ref_batch, log)
-    elif reference is not None:
-        settings["fidelity"] = "not measured: the candidate ran on an endpoint"
+    else:
+        settings["answers"] = f"{ANSWERS_NAME}: each endpoint answer, or its error, as it arrived"
+        if reference is not None:
+            settings["fidelity"] = "not measured: the candidate ran on an endpoint"
+        failed = FailedQuestions(CANDIDATE_LABEL, n, cand_batch.failures)
+        report.failed_questions.append(failed)
+        report.gates.append(answered_gate(failed))
 
     if row.reference is not None and opts.max_accuracy_drop is not None:
         report.gates.append(accuracy_drop_gate(row, opts.max_accuracy_drop, CANDIDATE_LABEL, REFERENCE_LABEL))
