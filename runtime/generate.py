@@ -72,6 +72,7 @@ class GenerationResult:
 
 StopCheck = Callable[[list[int]], bool]
 STOP_CHECK_EVERY = 8  # tokens between two calls of a request's stop check
+SYNC_EVERY = 8  # decode steps / MTP rounds the device runs between two looks of the host at their tokens
 
 
 class _Outputs:
@@ -105,6 +106,36 @@ class _Outputs:
 
     def active(self, device: torch.device) -> torch.Tensor:
         return torch.tensor([r is None for r in self.reasons], device=device)
+
+    def running(self) -> bool:
+        return any(r is None for r in self.reasons)
+
+    def rounds_before_sync(self) -> int:
+        """Decode steps / MTP rounds to run before the host looks at their tokens again: SYNC_EVERY, or fewer
+        when no running request can take that many more tokens (every round gives each at least one)."""
+        room = max(self.max_new_tokens - len(t) for t, r in zip(self.tokens, self.reasons, strict=True) if r is None)
+        return min(SYNC_EVERY, room)
+
+
+class DeviceProgress:
+    """Between two host synchronisations, which requests still run - no stop token yet and fewer than
+    max_new_tokens - kept on the device, so the steps need not ask the host. The host then replays the rounds'
+    tokens through _Outputs, which decides exactly as before (stop checks included); a request the host
+    finds finished earlier than the device did only ran a few steps more, on its own state, whose tokens
+    are dropped."""
+
+    def __init__(self, out: _Outputs, device: torch.device) -> None:
+        self.active = out.active(device)
+        self.produced = torch.tensor([len(t) for t in out.tokens], device=device)
+        self.stop_tokens = torch.tensor(sorted(out.stop_tokens) or [-1], device=device)
+        self.max_new_tokens = out.max_new_tokens
+
+    def advance(self, new: torch.Tensor, counts: torch.Tensor) -> None:
+        """The first counts[b] tokens of new [B, n] were produced by request b."""
+        taken = torch.arange(new.shape[1], device=new.device)[None, :] < counts[:, None]
+        stopped = (torch.isin(new, self.stop_tokens) & taken).any(1)
+        self.produced += counts
+        self.active &= ~stopped & (self.produced < self.max_new_tokens)
 
 
 def pad_prompts(prompts: Sequence[Sequence[int]], device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
@@ -249,10 +280,10 @@ class Steps:
 
 
 def use_graphs(model: Qwen35, graphs: bool | None) -> bool:
-    """Capture steps as graphs: by default where the device supports it and the model has no MoE (its
-    routing picks experts on the host, which a graph cannot replay)."""
+    """Capture steps as graphs: by default where the device supports it (MoE too: its routing stays on the
+    device, in shapes fixed by the batch)."""
     if graphs is None:
-        return graphs_supported(model.device) and not model.config.is_moe
+        return graphs_supported(model.device)
     if graphs and not graphs_supported(model.device):
         raise NpuportError(f"graph capture is not available on {model.device}")
     return graphs
@@ -291,11 +322,17 @@ def generate(model: Qwen35, prompts: Sequence[Sequence[int]], max_new_tokens: in
     graphs = use_graphs(model, graphs)
     if mtp == 0:
         steps = Steps(model, state, None, graphs)
-        while (active := out.active(device)).any():
-            _, logits = steps.target(next_tok[:, None])
-            steps.commit(active.long())
-            next_tok = sample(logits[:, 0], sampling, generator)
-            out.add(next_tok[:, None], active.long())
+        while out.running():
+            progress, rounds = DeviceProgress(out, device), []
+            for _ in range(out.rounds_before_sync()):
+                counts = progress.active.long()
+                _, logits = steps.target(next_tok[:, None])
+                steps.commit(counts)
+                next_tok = sample(logits[:, 0], sampling, generator)
+                progress.advance(next_tok[:, None], counts)
+                rounds.append(next_tok[:, None])
+            for new in torch.stack(rounds).cpu():  # the one host synchronisation of these rounds
+                out.add(new, out.active(new.device).long())
         return GenerationResult(out.tokens, out.reasons)
 
     mtp_state = model.new_mtp_state(batch, capacity)
@@ -304,21 +341,28 @@ def generate(model: Qwen35, prompts: Sequence[Sequence[int]], max_new_tokens: in
     mtp_logits, mtp_hidden = mtp_prefill(model, mtp_state, shifted, hidden, lengths, prefill_chunk)
     stats = AcceptanceStats.empty(batch, mtp)
     steps = Steps(model, state, mtp_state, graphs)
-    while (active := out.active(device)).any():
-        drafts = steps.draft(mtp_logits, mtp_hidden, mtp)
-        start = state.positions.clone()
-        hidden, logits = steps.target(torch.cat([next_tok[:, None], drafts], dim=1))  # verify k + 1 positions
-        accepted, next_tok = accept_drafts(logits, drafts, sampling, generator)
-        n_new = (accepted + 1) * active
-        steps.commit(n_new)
-        emitted = torch.cat([drafts, next_tok[:, None]], dim=1)  # d_1..d_a, then the target's token
-        emitted[rows, accepted] = next_tok
-        out.add(emitted, n_new)
-        stats.record(accepted, active)
-        # The head catches up over the verified positions: row i pairs emitted token i with hidden i.
-        logits, head_out = steps.mtp_catch_up(emitted, hidden, start, accepted)
-        commit_accepted(mtp_state, n_new)
-        mtp_logits, mtp_hidden = logits[:, 0], head_out[rows, accepted]
+    while out.running():
+        progress, rounds = DeviceProgress(out, device), []
+        for _ in range(out.rounds_before_sync()):
+            drafts = steps.draft(mtp_logits, mtp_hidden, mtp)
+            start = state.positions.clone()
+            hidden, logits = steps.target(torch.cat([next_tok[:, None], drafts], dim=1))  # verify k + 1 positions
+            accepted, next_tok = accept_drafts(logits, drafts, sampling, generator)
+            n_new = (accepted + 1) * progress.active
+            steps.commit(n_new)
+            emitted = torch.cat([drafts, next_tok[:, None]], dim=1)  # d_1..d_a, then the target's token
+            emitted[rows, accepted] = next_tok
+            progress.advance(emitted, n_new)
+            rounds.append(torch.cat([emitted, accepted[:, None]], dim=1))
+            # The head catches up over the verified positions: row i pairs emitted token i with hidden i.
+            logits, head_out = steps.mtp_catch_up(emitted, hidden, start, accepted)
+            commit_accepted(mtp_state, n_new)
+            mtp_logits, mtp_hidden = logits[:, 0], head_out[rows, accepted]
+        for round_ in torch.stack(rounds).cpu():  # the one host synchronisation of these rounds
+            emitted, accepted = round_[:, :-1], round_[:, -1]
+            active = out.active(round_.device)
+            out.add(emitted, (accepted + 1) * active)
+            stats.record(accepted, active)
     return GenerationResult(out.tokens, out.reasons, stats)
 
 

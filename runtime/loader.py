@@ -13,15 +13,18 @@ from safetensors import safe_open
 
 from npuport.convert.ascend_writer import DESCRIPTION_NAME
 from npuport.convert.ascend_writer import INDEX_NAME as ARTIFACT_INDEX_NAME
-from npuport.convert.qwen35_names import MTP_PREFIX, PER_EXPERT, text_prefix
+from npuport.convert.qwen35_names import MTP_PREFIX, text_prefix
 from npuport.convert.recipe import FLOAT, W8A8_DYNAMIC
+from npuport.convert.safetensors_io import TensorEntry
 from npuport.convert.source import INDEX_NAME as SOURCE_INDEX_NAME
+from npuport.convert.source import check_against_config, read_tensors, read_weight_map
 from npuport.devices import pick_device
 from npuport.errors import ArtifactError, CheckpointError, NpuportError
 from npuport.jsonfile import read_json_object
+from npuport.paths import file_inside, hub_cache_blobs
 from npuport.runtime.config import ModelConfig, load_config
 from npuport.runtime.linear import Linear, W8A8Linear
-from npuport.runtime.model import Qwen35
+from npuport.runtime.model import Experts, MoE, Qwen35
 
 LABELS = (FLOAT, W8A8_DYNAMIC)
 _MTP_LAYER = re.compile(r"^mtp\.layers\.(\d+)\.")
@@ -35,14 +38,18 @@ class Checkpoint:
         self.path = Path(path)
         if not self.path.is_dir():
             raise CheckpointError(f"{self.path}: not a folder")
-        descriptions = sorted(p for p in self.path.iterdir() if p.name.endswith(DESCRIPTION_NAME))
+        # A Hugging Face cache snapshot's files are symlinks into its repo's blobs: those, and only those, may be
+        # read from outside the folder (npuport.paths rule).
+        self.blobs = hub_cache_blobs(self.path)
+        descriptions = sorted(p.name for p in self.path.iterdir() if p.name.endswith(DESCRIPTION_NAME))
         if len(descriptions) > 1:
-            names = ", ".join(p.name for p in descriptions)
-            raise ArtifactError(f"{self.path}: more than one {DESCRIPTION_NAME}: {names}")
+            raise ArtifactError(f"{self.path}: more than one {DESCRIPTION_NAME}: {', '.join(descriptions)}")
         self.labels: dict[str, object] | None = (
-            read_json_object(descriptions[0], ArtifactError) if descriptions else None
+            read_json_object(file_inside(self.path, descriptions[0], "the folder", ArtifactError,
+                                         also_inside=self.blobs), ArtifactError) if descriptions else None
         )
-        self.files = self._tensor_files()
+        self.entries = self._tensor_entries()
+        self.files = {name: entry.file for name, entry in self.entries.items()}
         self._handles: dict[Path, object] = {}
 
     @property
@@ -52,20 +59,20 @@ class Checkpoint:
     def error(self, message: str) -> NpuportError:
         return (ArtifactError if self.is_artifact else CheckpointError)(f"{self.path}: {message}")
 
-    def _tensor_files(self) -> dict[str, Path]:
-        index = self.path / (ARTIFACT_INDEX_NAME if self.is_artifact else SOURCE_INDEX_NAME)
-        if index.exists():
-            weight_map = read_json_object(index, ArtifactError).get("weight_map")
-            if not isinstance(weight_map, dict):
-                raise self.error(f"{index.name} has no weight_map")
-            return {name: self.path / shard for name, shard in weight_map.items()}
-        files: dict[str, Path] = {}
-        for shard in sorted(self.path.glob("*.safetensors")):
-            with safe_open(shard, framework="pt") as f:
-                files.update((name, shard) for name in f.keys())
-        if not files:
+    def _tensor_entries(self) -> dict[str, TensorEntry]:
+        """Every tensor of the folder, from the shards its index names (or every *.safetensors when it has none),
+        each shard inside the folder with a header as strict as the safetensors library's (convert.source)."""
+        error = ArtifactError if self.is_artifact else CheckpointError
+        index_name = ARTIFACT_INDEX_NAME if self.is_artifact else SOURCE_INDEX_NAME
+        if (self.path / index_name).exists():
+            weight_map = read_weight_map(self.path, index_name, error, self.blobs)
+            return read_tensors(self.path, sorted(set(weight_map.values())), index_name, error, weight_map,
+                                self.blobs)
+        shards = sorted(p.name for p in self.path.glob("*.safetensors"))
+        entries = read_tensors(self.path, shards, "the folder", error, also_inside=self.blobs)
+        if not entries:
             raise self.error("no safetensors weights found")
-        return files
+        return entries
 
     def __contains__(self, name: str) -> bool:
         return name in self.files
@@ -73,9 +80,10 @@ class Checkpoint:
     def _handle(self, name: str):
         file = self.files[name]
         if file not in self._handles:
-            if not file.exists():
-                raise self.error(f"shard {file.name} (holding tensor {name}) is missing")
-            self._handles[file] = safe_open(file, framework="pt")
+            try:
+                self._handles[file] = safe_open(file, framework="pt")
+            except Exception as e:  # the shard changed since its header was read; safetensors has its own errors
+                raise self.error(f"shard {file.name} (holding tensor {name}) cannot be opened: {e}") from None
         return self._handles[file]
 
     def label(self, name: str) -> str:
@@ -123,29 +131,11 @@ class _Loader:
         return t.to(device=self.device, dtype=self.dtype if t.is_floating_point() else t.dtype)
 
     def float_tensor(self, name: str, shape: tuple[int, ...]) -> torch.Tensor:
-        """A FLOAT tensor of the runtime's `name` (experts read from a fused tensor when stored fused)."""
+        """A FLOAT tensor of the runtime's `name`."""
         ck = _checkpoint_name(name, self.prefix)
-        if ck not in self.ckpt and (fused := self._fused_expert(ck, shape)) is not None:
-            return fused
         if self.ckpt.label(ck) != FLOAT:
             raise self.ckpt.error(f"tensor {ck} is labelled {self.ckpt.label(ck)}, expected {FLOAT}")
         return self.put(self.ckpt.read(ck, shape, "float"))
-
-    def _fused_expert(self, name: str, shape: tuple[int, ...]) -> torch.Tensor | None:
-        """Expert e's gate/up/down weight from `<experts>.gate_up_proj [E, 2I, H]` / `<experts>.down_proj [E, H, I]`."""
-        m = PER_EXPERT.match(name.removesuffix(".weight"))
-        if m is None or not name.endswith(".weight"):
-            return None
-        e, proj = int(m["expert"]), m["proj"]
-        fused = f"{m['experts']}.{'down_proj' if proj == 'down_proj' else 'gate_up_proj'}"
-        if fused not in self.ckpt:
-            return None
-        if self.ckpt.label(fused) != FLOAT:
-            raise self.ckpt.error(f"tensor {fused} is labelled {self.ckpt.label(fused)}; fused experts must be {FLOAT}")
-        if proj == "down_proj":
-            return self.put(self.ckpt.read(fused, (self.n_experts, *shape), "float", index=e))
-        both = self.ckpt.read(fused, (self.n_experts, 2 * shape[0], shape[1]), "float", index=e)
-        return self.put(both[: shape[0]] if proj == "gate_proj" else both[shape[0] :])
 
     def linear(self, name: str, module: Linear) -> tuple[torch.nn.Module, dict[str, torch.Tensor]]:
         """The module for linear layer `name` by its label, and its tensors."""
@@ -155,14 +145,65 @@ class _Loader:
             return module, {"weight": self.float_tensor(name + ".weight", shape)}
         if name == "lm_head":
             raise self.ckpt.error(f"tensor {ck}.weight is labelled {W8A8_DYNAMIC}; lm_head must be {FLOAT}")
+        weight, scale = self.w8a8(ck, shape)
+        with torch.device("meta"):
+            quantized = W8A8Linear(module.in_features, module.out_features, self.dtype)
+        return quantized, {"weight": weight.to(self.device), "weight_scale": scale.float().to(self.device)}
+
+    def w8a8(self, ck: str, shape: tuple[int, int]) -> tuple[torch.Tensor, torch.Tensor]:
+        """The int8 weight [N, K] and its scales [N, 1] of W8A8 layer `ck` (checkpoint name, no `.weight`)."""
         weight = self.ckpt.read(ck + ".weight", shape, "int8")
         scale = self.ckpt.read(ck + ".weight_scale", (shape[0], 1), "float")
         offset = self.ckpt.read(ck + ".weight_offset", (shape[0], 1), "float")
         if bool(offset.ne(0).any()):
             raise self.ckpt.error(f"tensor {ck}.weight_offset is not all zeros (the scheme is symmetric)")
+        return weight, scale
+
+    def experts(self, name: str, module: Experts) -> tuple[Experts, dict[str, torch.Tensor]]:
+        """The stacked experts of MoE layer `name` (`...mlp.experts`), filled one expert at a time straight into
+        their place on the device (never a second copy of the layer): from fused `gate_up_proj [E, 2I, H]` /
+        `down_proj [E, H, I]` (BF16 sources) or per-expert `E.{gate,up,down}_proj` tensors, BF16 or W8A8."""
+        ck = _checkpoint_name(name, self.prefix)
+        e_count, two_i, hidden = module.gate_up_proj.shape
+        i = two_i // 2
+        per_expert = {"gate_proj": (i, hidden), "up_proj": (i, hidden), "down_proj": (hidden, i)}
+        labels = {self.ckpt.label(f"{ck}.{e}.{p}.weight") for e in range(e_count) for p in per_expert
+                  if f"{ck}.{e}.{p}.weight" in self.ckpt}
+        if len(labels) > 1:
+            raise self.ckpt.error(f"the experts of {ck} carry different labels {sorted(labels)}; one layer, one label")
+        quantized = labels == {W8A8_DYNAMIC}
         with torch.device("meta"):
-            quantized = W8A8Linear(module.in_features, module.out_features, self.dtype)
-        return quantized, {"weight": weight.to(self.device), "weight_scale": scale.float().to(self.device)}
+            built = Experts(e_count, hidden, i, quantized)
+        out = {n: torch.empty(b.shape, dtype=b.dtype if quantized else self.dtype, device=self.device)
+               for n, b in built.state_dict().items()}
+        rows = {"gate_proj": slice(0, i), "up_proj": slice(i, two_i), "down_proj": slice(None)}
+        for e in range(e_count):
+            for proj, shape in per_expert.items():
+                target = "down_proj" if proj == "down_proj" else "gate_up_proj"
+                if quantized:
+                    weight, scale = self.w8a8(f"{ck}.{e}.{proj}", shape)
+                    out[target][e, rows[proj]].copy_(weight)
+                    out[f"{target}_scale"][e, rows[proj]].copy_(scale.float().reshape(-1))
+                else:
+                    out[target][e, rows[proj]].copy_(self.float_expert(ck, e, proj, shape))
+        return built, out
+
+    def float_expert(self, ck: str, e: int, proj: str, shape: tuple[int, int]) -> torch.Tensor:
+        """Expert e's FLOAT gate/up/down weight, per expert or from the layer's fused tensor."""
+        name = f"{ck}.{e}.{proj}.weight"
+        if name in self.ckpt:
+            if self.ckpt.label(name) != FLOAT:
+                raise self.ckpt.error(f"tensor {name} is labelled {self.ckpt.label(name)}, expected {FLOAT}")
+            return self.ckpt.read(name, shape, "float")
+        fused = f"{ck}.{'down_proj' if proj == 'down_proj' else 'gate_up_proj'}"
+        if fused not in self.ckpt:
+            raise self.ckpt.error(f"tensor {name} is missing (nor is there a fused {fused})")
+        if self.ckpt.label(fused) != FLOAT:
+            raise self.ckpt.error(f"tensor {fused} is labelled {self.ckpt.label(fused)}; fused experts must be {FLOAT}")
+        if proj == "down_proj":
+            return self.ckpt.read(fused, (self.n_experts, *shape), "float", index=e)
+        both = self.ckpt.read(fused, (self.n_experts, 2 * shape[0], shape[1]), "float", index=e)
+        return both[: shape[0]] if proj == "gate_proj" else both[shape[0] :]
 
 
 def load_model(path: Path | str, device: torch.device | str | None = None,
@@ -170,7 +211,9 @@ def load_model(path: Path | str, device: torch.device | str | None = None,
     """The model in folder `path` (BF16 source or W8A8 artifact), with its MTP head when it has one, on
     `device` (default: pick_device()) with float tensors in `dtype`."""
     ckpt = Checkpoint(Path(path))
-    config = load_config(ckpt.path)
+    config = load_config(ckpt.path, ckpt.blobs)
+    check_against_config(ckpt.path, config, {name: e.shape for name, e in ckpt.entries.items()},
+                         ArtifactError if ckpt.is_artifact else CheckpointError)
     mtp_layers = {int(m.group(1)) for name in ckpt.files if (m := _MTP_LAYER.match(name))}
     if "mtp.fc.weight" in ckpt and not config.mtp_num_hidden_layers:
         config = dataclasses.replace(config, mtp_num_hidden_layers=len(mtp_layers))
@@ -181,8 +224,8 @@ def load_model(path: Path | str, device: torch.device | str | None = None,
         model = Qwen35(config, with_mtp)
     tensors: dict[str, torch.Tensor] = {}
     for name, module in list(model.named_modules()):
-        if isinstance(module, Linear):
-            built, params = loader.linear(name, module)
+        if isinstance(module, Linear | Experts):
+            built, params = loader.linear(name, module) if isinstance(module, Linear) else loader.experts(name, module)
             if built is not module:
                 model.set_submodule(name, built)
             tensors.update({f"{name}.{k}": v for k, v in params.items()})
@@ -190,5 +233,8 @@ def load_model(path: Path | str, device: torch.device | str | None = None,
         if name not in tensors:
             tensors[name] = loader.float_tensor(name, tuple(param.shape))
     model.load_state_dict(tensors, strict=True, assign=True)
+    for module in model.modules():
+        if isinstance(module, MoE):
+            module.shared_expert.stack_gate_up()  # the expert kernels then run the shared expert too
     return model.eval().requires_grad_(False)
 

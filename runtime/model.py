@@ -17,8 +17,10 @@ from torch import nn
 from npuport.devices import graphs_supported
 from npuport.errors import NpuportError
 from npuport.kernels.causal_conv1d import causal_conv1d_fn, causal_conv1d_update
+from npuport.kernels.fused_moe import StackedExperts, add_weighted_expert, fused_experts, route_top_k
 from npuport.kernels.gated_delta_rule import chunk_gated_delta_rule, fused_recurrent_gated_delta_rule
 from npuport.kernels.gdn_gating import fused_gdn_gating
+from npuport.kernels.rms_norm import rms_norm
 from npuport.runtime.config import FULL_ATTENTION, ModelConfig
 from npuport.runtime.dispatch import dispatch, int8_dispatch
 from npuport.runtime.linear import Linear, QuantizedActivation, W8A8Linear
@@ -71,9 +73,7 @@ class RMSNorm(nn.Module):
         self.weight = nn.Parameter(torch.zeros(dim), requires_grad=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        xf = _wide(x)
-        y = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
-        return (y * (1.0 + _wide(self.weight))).to(x.dtype)
+        return rms_norm(x, self.weight, self.eps)
 
 
 class GatedRMSNorm(nn.Module):
@@ -211,38 +211,95 @@ class MLP(nn.Module):
     def forward(self, x: torch.Tensor | QuantizedActivation) -> torch.Tensor:
         return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
 
+    @torch.no_grad()
+    def stack_gate_up(self) -> None:
+        """Keep gate_proj and up_proj (weights, and scales for W8A8) in one [2I, ...] tensor, each layer's
+        weight a view of its half, so that as_expert() can hand the MLP to the expert kernels. Done once after
+        loading; the separate tensors are freed."""
+        gate, up = self.gate_proj, self.up_proj
+        for name in ("weight", "weight_scale"):
+            if not hasattr(gate, name):
+                continue
+            both = torch.cat([getattr(gate, name), getattr(up, name)])
+            half = both.shape[0] // 2
+            for module, part in ((gate, both[:half]), (up, both[half:])):
+                setattr(module, name, nn.Parameter(part, requires_grad=False) if name in module._parameters else part)
+
+    def as_expert(self) -> StackedExperts | None:
+        """The MLP as a single stacked expert (views, no copy) once stack_gate_up() ran, else None."""
+        gate, up, down = self.gate_proj.weight, self.up_proj.weight, self.down_proj.weight
+        if gate.data_ptr() + gate.numel() * gate.element_size() != up.data_ptr() or not gate.is_contiguous():
+            return None
+        gate_up = gate.as_strided((1, 2 * gate.shape[0], gate.shape[1]), (0, gate.shape[1], 1))
+        if not isinstance(self.gate_proj, W8A8Linear):
+            return StackedExperts(gate_up, down[None])
+        scale = self.gate_proj.weight_scale
+        return StackedExperts(gate_up, down[None], scale.as_strided((1, 2 * scale.shape[0]), (0, 1)),
+                              self.down_proj.weight_scale.reshape(1, -1))
+
+
+class Experts(nn.Module):
+    """The routed experts of one MoE layer, stacked (kernels.fused_moe.StackedExperts): gate_up_proj [E, 2I, H]
+    (gate rows, then up rows) and down_proj [E, H, I] in the model's float dtype, or - W8A8 - int8 with
+    per-channel scales gate_up_proj_scale [E, 2I] and down_proj_scale [E, H] fp32."""
+
+    def __init__(self, num_experts: int, hidden: int, intermediate: int, quantized: bool = False) -> None:
+        super().__init__()
+        shapes = {"gate_up_proj": (num_experts, 2 * intermediate, hidden), "down_proj": (num_experts, hidden,
+                                                                                         intermediate)}
+        for name, shape in shapes.items():
+            if quantized:
+                self.register_buffer(name, torch.empty(shape, dtype=torch.int8))
+                self.register_buffer(f"{name}_scale", torch.empty(shape[:2], dtype=torch.float32))
+            else:
+                self.register_parameter(name, nn.Parameter(torch.empty(shape), requires_grad=False))
+
+    @property
+    def quantized(self) -> bool:
+        return self.gate_up_proj.dtype == torch.int8
+
+    def stacked(self) -> StackedExperts:
+        if self.quantized:
+            return StackedExperts(self.gate_up_proj, self.down_proj, self.gate_up_proj_scale, self.down_proj_scale)
+        return StackedExperts(self.gate_up_proj, self.down_proj)
+
+    def forward(self, x: torch.Tensor, weights: torch.Tensor, expert_ids: torch.Tensor,
+                x_int8: QuantizedActivation | None = None) -> torch.Tensor:
+        """x [M, H], weights and expert_ids [M, top_k] -> [M, H]: the weighted sum of each token's experts.
+        x_int8: x quantized per token (int8 dispatch); W8A8 experts only."""
+        tokens = None if x_int8 is None else (x_int8.values, x_int8.scales)
+        return fused_experts(x, self.stacked(), weights, expert_ids, tokens)
+
 
 class MoE(nn.Module):
-    """Softmax router (fp32) with renormalized top-k over per-expert MLPs, plus a sigmoid-gated shared
-    expert. Tokens go to the experts as BF16 or as int8 + per-token scales, as dispatch.py says."""
+    """Softmax router (fp32) with renormalized top-k over the stacked experts, plus a sigmoid-gated shared
+    expert; routing and experts run on the device without a host synchronisation (a step can be captured as a
+    graph). Tokens go to the experts as BF16 or as int8 + per-token scales, as dispatch.py says."""
 
     def __init__(self, config: ModelConfig, name: str) -> None:
         super().__init__()
         h = config.hidden_size
         self.name, self.top_k = name, config.num_experts_per_tok
         self.gate = Linear(h, config.num_experts)
-        self.experts = nn.ModuleList(MLP(h, config.moe_intermediate_size) for _ in range(config.num_experts))
+        self.experts = Experts(config.num_experts, h, config.moe_intermediate_size)
         self.shared_expert = MLP(h, config.shared_expert_intermediate_size)
         self.shared_expert_gate = Linear(h, 1)
 
     @property
     def experts_quantized(self) -> bool:
         """The loader gives all experts of a layer one label (CONTRACT.md)."""
-        return isinstance(self.experts[0].gate_proj, W8A8Linear)
+        return self.experts.quantized
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         flat = x.reshape(-1, x.shape[-1])
-        probs = torch.softmax(_wide(self.gate(flat)), dim=-1)
-        weights, chosen = probs.topk(self.top_k, dim=-1)  # [M, top_k]
-        weights = (weights / weights.sum(-1, keepdim=True)).to(x.dtype)
-        tokens = QuantizedActivation.quantize(flat) if int8_dispatch(self.experts_quantized, self.name) else flat
-        routed = torch.zeros_like(flat)
-        for e in chosen.unique().tolist():
-            rows, slot = (chosen == e).nonzero(as_tuple=True)
-            out = self.experts[e](tokens[rows]) * weights[rows, slot, None]
-            routed.index_add_(0, rows, out.to(routed.dtype))
-        shared = torch.sigmoid(self.shared_expert_gate(flat)) * self.shared_expert(flat)
-        return (routed + shared).view(x.shape)
+        weights, chosen = route_top_k(self.gate(flat), self.top_k, x.dtype)  # [M, top_k]
+        tokens = QuantizedActivation.quantize(flat) if int8_dispatch(self.experts_quantized, self.name) else None
+        routed = self.experts(flat, weights, chosen, tokens)
+        shared_weight = torch.sigmoid(self.shared_expert_gate(flat))  # [M, 1]
+        shared = self.shared_expert.as_expert()
+        if shared is None:
+            return (routed + shared_weight * self.shared_expert(flat)).view(x.shape)
+        return add_weighted_expert(flat, shared, shared_weight, routed).view(x.shape)
 
 
 class DecoderLayer(nn.Module):

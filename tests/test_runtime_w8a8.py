@@ -19,6 +19,7 @@ from npuport.errors import ArtifactError
 from npuport.runtime.generate import forward_logits
 from npuport.runtime.linear import Linear, W8A8Linear
 from npuport.runtime.loader import load_model
+from npuport.runtime.model import MLP, Experts
 from npuport.runtime.state import commit_accepted
 
 pytestmark = pytest.mark.usefixtures("one_cpu_thread")
@@ -59,8 +60,31 @@ def test_linear_layers_follow_their_labels(tiny_artifacts, kind):
                 quantized += 1
             elif isinstance(module, Linear) and name != "lm_head":
                 assert labels[ck(name) + ".weight"] == "FLOAT"
+            elif isinstance(module, Experts):
+                quantized += experts_follow_their_labels(module, ck(name), labels, f)
     assert quantized == sum(1 for k, v in labels.items() if k.endswith(".weight") and v == "W8A8_DYNAMIC")
     assert quantized > 0 and model.mtp is not None
+
+
+def experts_follow_their_labels(module: Experts, ck: str, labels: dict, f) -> int:
+    """Each expert's rows of the stacked tensors against the artifact's per-expert tensors; how many W8A8
+    weights there were."""
+    i = module.down_proj.shape[2]
+    rows = {"gate_proj": slice(0, i), "up_proj": slice(i, 2 * i), "down_proj": slice(None)}
+    quantized = 0
+    for e in range(module.gate_up_proj.shape[0]):
+        for proj, part in rows.items():
+            name = f"{ck}.{e}.{proj}"
+            stacked = module.down_proj if proj == "down_proj" else module.gate_up_proj
+            if module.quantized:
+                assert labels[name + ".weight"] == "W8A8_DYNAMIC" and not ck.startswith("mtp.")
+                assert torch.equal(stacked[e, part], f.get_tensor(name + ".weight"))
+                scales = module.down_proj_scale if proj == "down_proj" else module.gate_up_proj_scale
+                assert torch.equal(scales[e, part], f.get_tensor(name + ".weight_scale").float().reshape(-1))
+                quantized += 1
+            elif name + ".weight" in labels:
+                assert labels[name + ".weight"] == "FLOAT"
+    return quantized
 
 
 def fake_quantize_per_token(module, args):
@@ -185,3 +209,22 @@ def test_int8_weight_labelled_float_is_named(broken):
 
     with pytest.raises(ArtifactError, match=f"tensor {name} is torch.int8, expected a float dtype"):
         load_model(broken(labels=relabel), "cpu")
+
+
+@pytest.mark.parametrize("kind", ["moe-text-per-expert", "moe-multimodal-fused"])
+def test_loaded_shared_experts_are_one_stacked_expert_viewing_their_layers(tiny_artifacts, kind):
+    """After loading, each shared expert's gate and up projections live in one tensor (no second copy) that
+    the expert kernels read as a single expert, equal to the artifact's tensors."""
+    artifact = tiny_artifacts[kind]
+    ck = checkpoint_names(artifact)
+    model = load_model(artifact, "cpu", torch.float32)
+    layers = [(n, m) for n, m in model.named_modules() if isinstance(m, MLP) and n.endswith("shared_expert")]
+    assert layers
+    with safe_open(artifact / SHARD, framework="pt") as f:
+        for name, mlp in layers:
+            stacked = mlp.as_expert()
+            assert stacked is not None and stacked.gate_up.data_ptr() == mlp.gate_proj.weight.data_ptr()
+            i = stacked.intermediate
+            for proj, part in (("gate_proj", stacked.gate_up[0, :i]), ("up_proj", stacked.gate_up[0, i:]),
+                               ("down_proj", stacked.down[0])):
+                assert torch.equal(part, f.get_tensor(f"{ck(name)}.{proj}.weight").float())

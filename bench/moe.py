@@ -1,0 +1,372 @@
+"""Benchmark: the runtime's MoE layer (device routing + fused experts + shared expert) at real Qwen3.5 MoE widths,
+against transformers' own MoE block on the same weights (each of its experts implementations) and against the
+per-expert loop the runtime ran before, in the same run on one GPU.
+
+    python -P bench/moe.py --out DIR [--like 35B-A3B] [--tokens 1,8,32,512,4096] [--layers 4] [--sweep 1,8,16]
+                           [--e2e WORKDIR [--e2e-like 27B] [--batches 1,8,32] [--profile] [--no-transformers]]
+
+For each number of tokens M (decode batch 1/8/32: M = batch; prefill: M = prompt tokens) and each contestant,
+the time of one MoE layer forward, and for decode sizes the share of the copy bandwidth that the bytes the
+layer must read take (router, the experts the routing touched, shared expert), with the copy bandwidth
+measured in the same run. Our layers are timed as CUDA graphs of many calls rotating over --layers layers
+with their own weights and inputs (more than the 60 MB L2 holds); contestants that cannot be captured run
+eagerly, timed with CUDA events (fastest of several rounds). The outputs of ours and of transformers on the
+same weights and inputs are compared (BF16: relative L2 error). --sweep times the mat-vec tiles of the routed
+experts. --e2e: whole models (`make-tiny --like` at --e2e-layers layers, converted to W8A8) through the public
+generate, decode ms/token per batch size with and without MTP k=1, prefill of 512 and 4096 tokens, and
+transformers `generate` on the same BF16 checkpoint; --profile adds GPU time per decode step by kernel.
+Results: DIR/moe.json (rewritten after every measurement), one JSON line per measurement on stdout.
+"""
+
+from __future__ import annotations
+
+import argparse
+import copy
+import importlib.util
+import json
+import time
+from pathlib import Path
+
+import torch
+
+from npuport.convert.quantize import quantize_per_channel_int8
+from npuport.devices import timed_graph
+from npuport.kernels.fused_moe import (
+    FewTokensConfig,
+    fused_experts_reference,
+    fused_experts_triton,
+    route_top_k,
+)
+from npuport.runtime.config import ModelConfig
+from npuport.runtime.model import Experts, MoE
+
+
+def bench_module(name: str):
+    """Another script of bench/ as a module, by path (bench/ stays off the import path: bench/kernels.py would
+    hide an installed package of that name)."""
+    spec = importlib.util.spec_from_file_location(f"bench_{name}", Path(__file__).parent / f"{name}.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+# The MoE widths of the published models (QWEN35.md): hidden, experts, top-k, expert and shared intermediate.
+MOE_WIDTHS = {"35B-A3B": (2048, 256, 8, 512, 512), "122B-A10B": (3072, 256, 8, 1024, 1024),
+              "397B-A17B": (4096, 512, 10, 1024, 1024)}
+CALLS = 24
+ROUNDS = 5
+
+
+def transformers_config(like: str):
+    from transformers import Qwen3_5MoeTextConfig
+
+    hidden, experts, top_k, inter, shared = MOE_WIDTHS[like]
+    return Qwen3_5MoeTextConfig(hidden_size=hidden, num_experts=experts, num_experts_per_tok=top_k,
+                                moe_intermediate_size=inter, shared_expert_intermediate_size=shared,
+                                num_hidden_layers=1, vocab_size=1024, num_attention_heads=16, num_key_value_heads=2,
+                                head_dim=256, linear_num_key_heads=16, linear_num_value_heads=32)
+
+
+def transformers_block(config, implementation: str, seed: int, device: torch.device):
+    from transformers.models.qwen3_5_moe.modeling_qwen3_5_moe import Qwen3_5MoeSparseMoeBlock
+
+    config = copy.deepcopy(config)  # the block reads its experts implementation from its config at every call
+    config._experts_implementation = implementation
+    torch.manual_seed(seed)
+    block = Qwen3_5MoeSparseMoeBlock(config)
+    with torch.no_grad():
+        for p in block.parameters():
+            p.normal_(0, 0.02)
+    return block.to(device=device, dtype=torch.bfloat16).eval()
+
+
+def our_layer(block, config: ModelConfig, quantized: bool) -> MoE:
+    """The runtime's MoE with `block`'s weights (W8A8: experts quantized with the converter's math)."""
+    layer = MoE(config, "bench").to(device=block.gate.weight.device, dtype=torch.bfloat16)
+    with torch.no_grad():
+        layer.gate.weight.copy_(block.gate.weight)
+        layer.shared_expert_gate.weight.copy_(block.shared_expert_gate.weight)
+        for name in ("gate_proj", "up_proj", "down_proj"):
+            getattr(layer.shared_expert, name).weight.copy_(getattr(block.shared_expert, name).weight)
+        gate_up, down = block.experts.gate_up_proj.data, block.experts.down_proj.data
+        layer.shared_expert.stack_gate_up()  # as the loader leaves it
+        if not quantized:
+            layer.experts.gate_up_proj.copy_(gate_up)
+            layer.experts.down_proj.copy_(down)
+            return layer
+        e, two_i, h = gate_up.shape
+        experts = Experts(e, h, two_i // 2, quantized=True).to(gate_up.device)
+        for name, w in (("gate_up_proj", gate_up), ("down_proj", down)):
+            q, scale, _ = zip(*(quantize_per_channel_int8(w[i]) for i in range(e)), strict=True)
+            getattr(experts, name).copy_(torch.stack(q))
+            getattr(experts, f"{name}_scale").copy_(torch.stack(scale).reshape(e, -1).float())
+        layer.experts = experts
+    return layer
+
+
+def graph_us(fns: list, device: torch.device) -> float:
+    """Microseconds per call of a CUDA graph of CALLS calls cycling over fns."""
+    turn = iter(range(10**9))
+    replay = timed_graph(lambda: fns[next(turn) % len(fns)](), device, CALLS)
+    return min(replay() for _ in range(ROUNDS)) * 1000
+
+
+def eager_us(fns: list) -> float:
+    """Microseconds per call run eagerly (launch costs and host syncs included), fastest of ROUNDS rounds."""
+    best = float("inf")
+    for _ in range(ROUNDS):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        for i in range(CALLS):
+            fns[i % len(fns)]()
+        end.record()
+        end.synchronize()
+        best = min(best, start.elapsed_time(end) * 1000 / CALLS)
+    return best
+
+
+def bytes_read(layer: MoE, x: torch.Tensor) -> int:
+    """What one forward of `layer` on x [M, H] must read: router, shared expert, the touched experts."""
+    with torch.no_grad():
+        _, chosen = torch.softmax(layer.gate(x).float(), -1).topk(layer.top_k, dim=-1)
+    touched = int(chosen.unique().numel())
+    ex = layer.experts
+    per_expert = (ex.gate_up_proj[0].numel() + ex.down_proj[0].numel()) * ex.gate_up_proj.element_size()
+    if ex.quantized:
+        per_expert += (ex.gate_up_proj_scale[0].numel() + ex.down_proj_scale[0].numel()) * 4
+    shared = sum(p.numel() * p.element_size() for p in layer.shared_expert.parameters())
+    router = layer.gate.weight.numel() * 2 + layer.shared_expert_gate.weight.numel() * 2
+    return router + shared + touched * per_expert + 2 * x.numel() * 2
+
+
+def per_expert_loop(layer: MoE):
+    """The runtime before fused experts: routing, then one expert at a time chosen on the host."""
+
+    def forward(x: torch.Tensor) -> torch.Tensor:
+        weights, chosen = torch.softmax(layer.gate(x).float(), -1).topk(layer.top_k, dim=-1)
+        weights = (weights / weights.sum(-1, keepdim=True)).to(x.dtype)
+        routed = fused_experts_reference(x, layer.experts.stacked(), weights, chosen)
+        return routed + torch.sigmoid(layer.shared_expert_gate(x)) * layer.shared_expert(x)
+
+    return forward
+
+
+def breakdown(layers: list[MoE], xs: list[torch.Tensor], device: torch.device) -> dict[str, float]:
+    """Graph-timed parts of the BF16 layer: router GEMM + top-k, the routed experts, the shared expert."""
+    routes = [route_top_k(layer.gate(x), layer.top_k, x.dtype) for layer, x in zip(layers, xs, strict=True)]
+    parts = {
+        "router + top-k": [lambda f=layer, x=x: route_top_k(f.gate(x), f.top_k, x.dtype)
+                           for layer, x in zip(layers, xs, strict=True)],
+        "routed experts": [lambda f=layer, x=x, r=r: f.experts(x, *r) for layer, x, r in zip(layers, xs, routes,
+                                                                                           strict=True)],
+        "shared expert": [lambda f=layer, x=x: torch.sigmoid(f.shared_expert_gate(x)) * f.shared_expert(x)
+                          for layer, x in zip(layers, xs, strict=True)],
+    }
+    return {name: graph_us(fns, device) for name, fns in parts.items()}
+
+
+SWEEP = [FewTokensConfig(gu, dn, bk, w, s) for gu, dn, bk, w, s in [
+    (32, 16, 256, 4, 3), (16, 16, 256, 4, 3), (16, 8, 256, 4, 3), (32, 32, 256, 4, 3), (64, 16, 256, 4, 3),
+    (16, 16, 512, 4, 3), (32, 16, 128, 4, 3), (16, 16, 256, 2, 3), (16, 16, 256, 8, 3), (32, 16, 512, 8, 2),
+    (8, 8, 512, 4, 3), (16, 8, 512, 2, 4)]]
+
+
+def sweep(ours: dict[str, list[MoE]], device: torch.device, tokens: list[int]) -> list[dict]:
+    """The routed experts alone (BF16 and W8A8) at few tokens: each mat-vec tile config, and the grouped path."""
+    rows = []
+    for m in tokens:
+        for label, layers in ours.items():
+            xs = [torch.randn(m, layer.gate.in_features, device=device, dtype=torch.bfloat16) for layer in layers]
+            routes = [route_top_k(layer.gate(x), layer.top_k, x.dtype) for layer, x in zip(layers, xs, strict=True)]
+            stacked = [layer.experts.stacked() for layer in layers]
+            row = {"tokens": m, "experts": label, "us": {}}
+            for cfg in [*SWEEP, None]:
+                fns = [lambda x=x, s=s, r=r, c=cfg: fused_experts_triton(
+                    x, s, *r, few_pairs=0 if c is None else 10**9, few_config=c)
+                    for x, s, r in zip(xs, stacked, routes, strict=True)]
+                name = "grouped" if cfg is None else (
+                    f"bn{cfg.gate_up_bn}/{cfg.down_bn} bk{cfg.bk} w{cfg.num_warps}s{cfg.num_stages}")
+                row["us"][name] = graph_us(fns, device)
+            rows.append(row)
+            print(json.dumps(row), flush=True)
+    return rows
+
+
+def step_bytes(model, batch: int) -> int:
+    """Bytes one decode step of `batch` requests must read at least: every weight but the embedding table, the
+    MTP head and the routed experts, plus per MoE layer the experts batch x top_k routings touch (expected
+    distinct count for uniform routing; exact at batch 1)."""
+    total = 0
+    for name, tensor in [*model.named_parameters(), *model.named_buffers()]:
+        if name.startswith(("mtp.", "embed_tokens")) or ".experts." in name:
+            continue
+        total += tensor.numel() * tensor.element_size()
+    config = model.config
+    for layer in model.layers if config.is_moe else ():
+        experts = layer.mlp.experts
+        per_expert = sum(t[0].numel() * t.element_size() for t in experts.state_dict().values())
+        e, picks = config.num_experts, batch * config.num_experts_per_tok
+        touched = config.num_experts_per_tok if batch == 1 else e * (1 - (1 - 1 / e) ** picks)
+        total += int(touched * per_expert)
+    return total
+
+
+def profile_decode(model, prompts: list[list[int]], path: Path, tokens: int = 17) -> dict:
+    """GPU time per decode step by kernel (torch.profiler) against the wall time per step: where a step goes."""
+    from torch.profiler import ProfilerActivity, profile
+
+    from npuport.runtime.generate import generate
+
+    generate(model, prompts, tokens)  # graphs captured, kernels compiled
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+        start = time.perf_counter()
+        generate(model, prompts, tokens)
+        torch.cuda.synchronize()
+        wall = time.perf_counter() - start
+    table = prof.key_averages().table(sort_by="cuda_time_total", row_limit=30)
+    path.write_text(table)
+    gpu_us = sum(e.self_device_time_total for e in prof.key_averages())
+    return {"wall_ms_per_token": wall * 1000 / tokens, "gpu_ms_per_token": gpu_us / 1000 / tokens}
+
+
+def end_to_end(args, copy_bps: float, save) -> dict:
+    """make-tiny --like at reduced depth, converted to W8A8; the runtime (BF16 and W8A8, graphs, with and without
+    MTP k=1) and transformers on the same BF16 checkpoint: decode per batch size, prefill of 512 and 4096."""
+    import transformers
+    transformers_throughput = bench_module("throughput").transformers_throughput  # timed as the runtime is
+
+    from npuport.convert.converter import convert_qwen35
+    from npuport.fixtures.tiny_checkpoint import like_spec, make_tiny
+    from npuport.runtime.loader import load_model
+    from npuport.runtime.validation.throughput import measure_throughput
+
+    like = args.e2e_like or args.like
+    out: dict = {"model": like, "layers": args.e2e_layers, "new_tokens": args.new_tokens, "runs": []}
+    start = time.perf_counter()
+    source = make_tiny(args.e2e / "source", like_spec(like, args.e2e_layers))
+    out["make_tiny_s"] = time.perf_counter() - start
+    start = time.perf_counter()
+    artifact = convert_qwen35(source, args.e2e / "artifact", show_progress=False, log=lambda m: None, workers=4).out
+    out["convert_s"] = time.perf_counter() - start
+    gen = torch.Generator().manual_seed(0)
+    batches = [int(b) for b in args.batches.split(",")]
+    prompts = torch.randint(0, 2000, (max(batches), 512), generator=gen).tolist()
+    long_prompt = torch.randint(0, 2000, (1, 4096), generator=gen).tolist()
+    for label, path in (("BF16", source), ("W8A8", artifact)):
+        model = load_model(path, "cuda")
+        for batch in batches:
+            for k in (0, 1):
+                run = measure_throughput(model, prompts[:batch], args.new_tokens, mtp=k, label=label, repeats=2)
+                record = {"runtime": f"npuport {label}", "batch": batch, "mtp": k,
+                          "ms_per_token": run.time_per_output_token_ms, "prefill_tok_s": run.prefill_tokens_per_s}
+                if k == 0 and run.time_per_output_token_ms:
+                    seconds = run.time_per_output_token_ms / 1000
+                    record["bandwidth_share"] = step_bytes(model, batch) / seconds / copy_bps
+                out["runs"].append(record)
+                print(record, flush=True)
+                save()
+        if args.profile:
+            short = [prompts[0][:8]]  # a short prompt: the profile is the decode steps
+            out.setdefault("profile", {})[label] = profile_decode(model, short, args.out / f"profile-{label}.txt", 33)
+        run = measure_throughput(model, long_prompt, 2, label=label, repeats=2)
+        out["runs"].append({"runtime": f"npuport {label}", "prefill_4096_tok_s": run.prefill_tokens_per_s})
+        del model
+        torch.cuda.empty_cache()
+    if args.no_transformers:
+        return out
+    reference = transformers.AutoModelForCausalLM.from_pretrained(source, dtype=torch.bfloat16).to("cuda").eval()
+    tokenizer = transformers.AutoTokenizer.from_pretrained(source)
+    for batch in batches:
+        run = transformers_throughput(reference, tokenizer, prompts[:batch], args.new_tokens, 2)
+        out["runs"].append({"runtime": f"transformers {transformers.__version__} eager", "batch": batch,
+                            "ms_per_token": run["time_per_output_token_ms"],
+                            "prefill_tok_s": run["prefill_tokens_per_s"]})
+        print(out["runs"][-1], flush=True)
+        save()
+    return out
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--out", type=Path, required=True)
+    parser.add_argument("--like", default="35B-A3B", choices=sorted(MOE_WIDTHS))
+    parser.add_argument("--tokens", default="1,8,32,512,4096")
+    parser.add_argument("--layers", type=int, default=4, help="Layers with their own weights to rotate over.")
+    parser.add_argument("--e2e", type=Path, default=None,
+                        help="Also whole models: a folder for a `make-tiny --like` checkpoint and its W8A8 artifact.")
+    parser.add_argument("--e2e-layers", type=int, default=4)
+    parser.add_argument("--e2e-like", default=None, help="The make-tiny --like model end to end (default: --like).")
+    parser.add_argument("--batches", default="1,8,32")
+    parser.add_argument("--sweep", default="", help="Token counts at which to sweep the mat-vec tiles, e.g. 1,8,16")
+    parser.add_argument("--new-tokens", type=int, default=48)
+    parser.add_argument("--skip-layer", action="store_true", help="Only the end-to-end part.")
+    parser.add_argument("--no-transformers", action="store_true", help="End to end without the transformers runs.")
+    parser.add_argument("--profile", action="store_true", help="Profile batch-1 decode end to end (kernels).")
+    args = parser.parse_args()
+    device = torch.device("cuda")
+    import transformers
+
+    args.out.mkdir(parents=True, exist_ok=True)
+    result: dict = {"like": args.like, "widths": MOE_WIDTHS[args.like], "device": torch.cuda.get_device_name(),
+                    "versions": {"torch": torch.__version__, "transformers": transformers.__version__}, "rows": []}
+    result["peaks"] = bench_module("kernels").bench_peaks()  # the ceilings bench/kernels.py reports against
+    copy_bps = result["peaks"]["copy_GBps"] * 1e9
+    tconfig = transformers_config(args.like)
+    config = ModelConfig.from_dict(tconfig.to_dict())
+    impls = () if args.skip_layer else ("eager", "grouped_mm", "batched_mm")
+    blocks = {impl: [transformers_block(tconfig, impl, seed, device) for seed in range(args.layers)]
+              for impl in impls}
+    ours = {} if args.skip_layer else {"bf16": [our_layer(b, config, False) for b in blocks["eager"]],
+                                       "w8a8": [our_layer(b, config, True) for b in blocks["eager"]]}
+    if args.sweep:
+        result["sweep"] = sweep(ours, device, [int(t) for t in args.sweep.split(",")])
+    for m in [] if args.skip_layer else [int(t) for t in args.tokens.split(",")]:
+        xs = [torch.randn(m, config.hidden_size, device=device, dtype=torch.bfloat16) for _ in range(args.layers)]
+        row: dict = {"tokens": m, "us": {}, "bandwidth_share": {}, "rel_err_vs_transformers": {}}
+        with torch.no_grad():
+            want = [blocks["eager"][i](xs[i][None])[0] for i in range(args.layers)]
+            for label, layers in ours.items():
+                fns = [lambda f=layers[i], x=xs[i]: f(x) for i in range(args.layers)]
+                got = [f() for f in fns]
+                row["rel_err_vs_transformers"][label] = max(
+                    ((g.float() - w.float()).norm() / w.float().norm()).item() for g, w in zip(got, want, strict=True))
+                row["us"][f"npuport {label} (graph)"] = graph_us(fns, device)
+                row["us"][f"npuport {label} (eager)"] = eager_us(fns)
+                need = sum(bytes_read(layers[i], xs[i]) for i in range(args.layers)) / args.layers
+                row["bandwidth_share"][label] = need / (row["us"][f"npuport {label} (graph)"] / 1e6) / copy_bps
+                if m <= 512:
+                    loops = [per_expert_loop(layer) for layer in layers]
+                    loop = [lambda f=loops[i], x=xs[i]: f(x) for i in range(args.layers)]
+                    row["us"][f"per-expert loop {label} (before)"] = eager_us(loop)
+            for impl, layers in blocks.items():
+                fns = [lambda b=layers[i], x=xs[i]: b(x[None]) for i in range(args.layers)]
+                try:
+                    row["us"][f"transformers {impl} (eager)"] = eager_us(fns)
+                except Exception as e:  # an implementation this torch lacks
+                    row["us"][f"transformers {impl} (eager)"] = f"failed: {type(e).__name__}"
+                    continue
+                try:
+                    row["us"][f"transformers {impl} (graph)"] = graph_us(fns, device)
+                except Exception as e:  # host syncs: not capturable
+                    row["us"][f"transformers {impl} (graph)"] = f"not capturable: {type(e).__name__}"
+        if m <= 32:
+            row["breakdown_us"] = breakdown(ours["bf16"], xs, device)
+        numbers = {k: v for k, v in row["us"].items() if isinstance(v, float) and k.startswith("transformers")}
+        best = min(numbers, key=numbers.get) if numbers else None
+        if best:
+            row["best_transformers"] = best
+            for label in ours:
+                row[f"speedup_{label}_vs_best_transformers"] = numbers[best] / row["us"][f"npuport {label} (graph)"]
+        row["w8a8_vs_bf16"] = row["us"]["npuport bf16 (graph)"] / row["us"]["npuport w8a8 (graph)"]
+        result["rows"].append(row)
+        (args.out / "moe.json").write_text(json.dumps(result, indent=2) + "\n")
+        print(json.dumps(row), flush=True)
+    if args.e2e:
+        result["end_to_end"] = end_to_end(args, copy_bps, lambda: (args.out / "moe.json").write_text(
+            json.dumps(result, indent=2) + "\n"))
+        (args.out / "moe.json").write_text(json.dumps(result, indent=2) + "\n")
+    print(f"copy bandwidth {copy_bps / 1e9:.0f} GB/s; done at {time.strftime('%H:%M:%S')}")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,53 @@
+"""The MoE experts in plain PyTorch, one expert at a time: the reference the grouped kernels are tested
+against, and what the runtime runs where Triton does not (CPU, float64)."""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from npuport.kernels.fused_moe.experts import StackedExperts
+from npuport.kernels.w8a8 import int8_matmul_rescale_reference, quantize_per_token_int8_reference
+
+
+def wide_dtype(dtype: torch.dtype) -> torch.dtype:
+    """Where the top-k sum is taken: fp32, or float64 for float64 activations."""
+    return torch.promote_types(dtype, torch.float32)
+
+
+def expert_mlp_reference(x: torch.Tensor, experts: StackedExperts, e: int) -> torch.Tensor:
+    """Expert e on tokens x [R, H] -> [R, H] in x's dtype: down(silu(gate(x)) * up(x)), each product rounded
+    to x's dtype as separate linear layers round it. W8A8 experts quantize x per token (int8 tokens are the
+    same values however they travelled) and the intermediate again before the down projection."""
+    i = experts.intermediate
+    if not experts.quantized:
+        gate, up = F.linear(x, experts.gate_up[e, :i]), F.linear(x, experts.gate_up[e, i:])
+        return F.linear(F.silu(gate) * up, experts.down[e])
+    x_q, x_s = quantize_per_token_int8_reference(x)
+    w, s = experts.gate_up[e], experts.gate_up_scale[e, :, None]
+    gate = int8_matmul_rescale_reference(x_q, x_s, w[:i], s[:i], x.dtype)
+    up = int8_matmul_rescale_reference(x_q, x_s, w[i:], s[i:], x.dtype)
+    h_q, h_s = quantize_per_token_int8_reference(F.silu(gate) * up)
+    return int8_matmul_rescale_reference(h_q, h_s, experts.down[e], experts.down_scale[e, :, None], x.dtype)
+
+
+def fused_experts_reference(x: torch.Tensor, experts: StackedExperts, weights: torch.Tensor,
+                            expert_ids: torch.Tensor) -> torch.Tensor:
+    """x [M, H]; weights [M, top_k] (x's dtype); expert_ids [M, top_k] -> [M, H] in x's dtype: for each token the
+    sum over its slots of weight * expert output (each product rounded to x's dtype), see sum_slots."""
+    m, top_k = expert_ids.shape
+    per_slot = torch.zeros(m, top_k, x.shape[1], dtype=x.dtype, device=x.device)
+    for e in expert_ids.unique().tolist():
+        rows, slots = (expert_ids == e).nonzero(as_tuple=True)
+        per_slot[rows, slots] = expert_mlp_reference(x[rows], experts, e) * weights[rows, slots, None]
+    return sum_slots(per_slot)
+
+
+def sum_slots(per_slot: torch.Tensor) -> torch.Tensor:
+    """per_slot [M, top_k, H] -> [M, H]: the slots added one after the other in slot order, in wide_dtype, and
+    rounded once - the order the kernels add them in, whatever M."""
+    total = torch.zeros(per_slot.shape[0], per_slot.shape[2], dtype=wide_dtype(per_slot.dtype),
+                        device=per_slot.device)
+    for s in range(per_slot.shape[1]):
+        total += per_slot[:, s]
+    return total.to(per_slot.dtype)

@@ -1,0 +1,203 @@
+"""Fused MoE: routing on the device and the grouped expert kernels against independent references - a plain
+Python grouping of the routed rows, a float64 softmax top-k, and the per-expert PyTorch loop (BF16: each
+expert's F.linear; W8A8: the int8 references of kernels.w8a8) - run on CPU tensors through Triton's
+interpreter at small widths."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+pytest.importorskip("triton")
+
+from npuport.kernels.fused_moe import (  # noqa: E402
+    GroupedConfig,
+    StackedExperts,
+    fused_experts_reference,
+    fused_experts_triton,
+    group_by_expert,
+    grouped_gemm,
+    max_blocks,
+    route_top_k_reference,
+    route_top_k_triton,
+)
+from npuport.kernels.w8a8 import (  # noqa: E402
+    int8_matmul_rescale_reference,
+    quantize_per_token_int8_reference,
+)
+
+HIDDEN, INTER = 64, 32
+
+
+def routings(m: int, top_k: int, experts: int, kind: str, seed: int) -> torch.Tensor:
+    """expert ids [M, top_k], distinct per token: random, or every token on the same top_k experts (one of
+    them holding all tokens in slot 0), or only the first top_k + 1 experts used (the others get nothing)."""
+    gen = torch.Generator().manual_seed(seed)
+    if kind == "same":
+        return torch.arange(top_k).repeat(m, 1)
+    pool = experts if kind == "random" else top_k + 1
+    return torch.stack([torch.randperm(pool, generator=gen)[:top_k] for _ in range(m)])
+
+
+def expected_blocks(ids: torch.Tensor, experts: int, block: int) -> list[tuple[int, list[int]]]:
+    """(expert, rows) per block, by hand: each expert's rows token * top_k + slot in token order, in blocks."""
+    top_k = ids.shape[1]
+    out = []
+    for e in range(experts):
+        rows = [t * top_k + s for t in range(ids.shape[0]) for s in range(top_k) if int(ids[t, s]) == e]
+        for start in range(0, len(rows), block):
+            out.append((e, rows[start : start + block]))
+    return out
+
+
+@pytest.mark.parametrize(("m", "top_k", "experts", "block"), [(1, 8, 256, 16), (5, 3, 6, 4), (64, 8, 256, 16),
+                                                                (33, 2, 4, 16)])
+@pytest.mark.parametrize("kind", ["random", "same", "few"])
+def test_rows_are_grouped_by_expert_and_padded_to_whole_blocks(m, top_k, experts, block, kind):
+    ids = routings(m, top_k, experts, kind, seed=m * 31 + top_k)
+    got = group_by_expert(ids, experts, block)
+    pairs = m * top_k
+    want = expected_blocks(ids, experts, block)
+    assert got.rows.numel() == max_blocks(pairs, experts, block) * block >= len(want) * block
+    for b, (expert, rows) in enumerate(want):
+        assert int(got.block_expert[b]) == expert
+        assert got.rows[b * block : (b + 1) * block].tolist() == rows + [pairs] * (block - len(rows))
+    assert (got.block_expert[len(want) :] == -1).all()
+    assert (got.rows[len(want) * block :] == pairs).all()
+
+
+@pytest.mark.parametrize("route", [route_top_k_reference, route_top_k_triton], ids=["torch", "triton"])
+@pytest.mark.parametrize(("m", "experts", "top_k"), [(9, 16, 4), (3, 256, 8), (2, 512, 10), (4, 6, 1)])
+def test_routing_is_the_renormalised_softmax_top_k(route, m, experts, top_k):
+    logits = torch.randn(m, experts, generator=torch.Generator().manual_seed(experts))
+    weights, ids = route(logits, top_k, torch.bfloat16)  # fp32 logits: no ties to order
+    probs = torch.softmax(logits.double(), -1)
+    want_ids = probs.argsort(-1, descending=True)[:, :top_k]
+    assert torch.equal(ids, want_ids)
+    top = probs.gather(-1, want_ids)
+    torch.testing.assert_close(weights.double(), top / top.sum(-1, keepdim=True), atol=4e-3, rtol=0)
+    assert weights.dtype == torch.bfloat16
+
+
+def random_experts(experts: int, quantized: bool, seed: int) -> StackedExperts:
+    gen = torch.Generator().manual_seed(seed)
+    gate_up = torch.randn(experts, 2 * INTER, HIDDEN, generator=gen) * 0.1
+    down = torch.randn(experts, HIDDEN, INTER, generator=gen) * 0.1
+    if not quantized:
+        return StackedExperts(gate_up.bfloat16(), down.bfloat16())
+
+    def per_channel(w):
+        scale = w.abs().amax(-1) / 127
+        return (w / scale[..., None]).round().clamp(-128, 127).to(torch.int8), scale.float()
+
+    (gu_q, gu_s), (d_q, d_s) = per_channel(gate_up), per_channel(down)
+    return StackedExperts(gu_q, d_q, gu_s, d_s)
+
+
+def loop_over_experts(x, experts: StackedExperts, weights, ids):
+    """The per-expert loop written out again here, independently of the package's reference."""
+    out = torch.zeros(x.shape[0], HIDDEN, dtype=torch.float32)
+    for t in range(x.shape[0]):
+        for s in range(ids.shape[1]):
+            e = int(ids[t, s])
+            row = x[t : t + 1]
+            if experts.quantized:
+                q, sc = quantize_per_token_int8_reference(row)
+                w, ws = experts.gate_up[e], experts.gate_up_scale[e, :, None]
+                g = int8_matmul_rescale_reference(q, sc, w[:INTER], ws[:INTER], x.dtype)
+                u = int8_matmul_rescale_reference(q, sc, w[INTER:], ws[INTER:], x.dtype)
+                hq, hs = quantize_per_token_int8_reference(F.silu(g) * u)
+                y = int8_matmul_rescale_reference(hq, hs, experts.down[e], experts.down_scale[e, :, None], x.dtype)
+            else:
+                g, u = row @ experts.gate_up[e, :INTER].T, row @ experts.gate_up[e, INTER:].T
+                y = (F.silu(g) * u) @ experts.down[e].T
+            out[t] += (y * weights[t, s])[0].float()
+    return out.to(x.dtype)
+
+
+SHAPES = [(1, 1, 8, 256, "random"), (1, 4, 8, 256, "random"), (8, 2, 4, 16, "few"), (64, 1, 8, 256, "random"),
+          (3, 3, 2, 8, "same"), (16, 4, 2, 4, "random")]
+# The mat-vec kernels serve few routed pairs only (FEW_PAIRS); past that they are not run (and slow to interpret).
+CASES = [("grouped", *s) for s in SHAPES] + [("few-tokens", *s) for s in SHAPES if s[0] * s[1] * s[2] <= 64]
+
+
+@pytest.mark.parametrize("quantized", [False, True], ids=["bf16", "w8a8"])
+@pytest.mark.parametrize(("path", "batch", "tokens", "top_k", "experts", "kind"), CASES)
+def test_fused_experts_equal_the_per_expert_loop(path, quantized, batch, tokens, top_k, experts, kind):
+    m = batch * tokens
+    gen = torch.Generator().manual_seed(m + top_k)
+    x = torch.randn(m, HIDDEN, generator=gen).bfloat16()
+    ids = routings(m, top_k, experts, kind, seed=m)
+    weights = torch.softmax(torch.randn(m, top_k, generator=gen), -1).bfloat16()
+    stacked = random_experts(experts, quantized, seed=experts)
+    got = fused_experts_triton(x, stacked, weights, ids, few_pairs=m * top_k if path == "few-tokens" else 0)
+    reference = fused_experts_reference(x, stacked, weights, ids)
+    # BF16: the same rounding steps, GEMM sums in another order -> within bf16 rounding of the loop.
+    torch.testing.assert_close(got.float(), loop_over_experts(x, stacked, weights, ids).float(), atol=2e-2,
+                               rtol=2e-2)
+    torch.testing.assert_close(got.float(), reference.float(), atol=1e-2, rtol=1e-2)
+    if quantized:  # int32 sums are exact: only a silu ulp can move an int8 intermediate, rarely
+        assert (got == reference).float().mean() >= 0.98
+
+
+@pytest.mark.parametrize("routed", [False, True])
+def test_the_int8_grouped_gemm_is_exact(routed):
+    """The down projection alone: int32 sums and the fp32 rescale (times the routing weight) in the
+    reference's order, so every value equals the per-row int8 reference bit for bit."""
+    m, top_k, experts = 12, 3, 5
+    ids = routings(m, top_k, experts, "random", seed=7)
+    stacked = random_experts(experts, True, seed=11)
+    gen = torch.Generator().manual_seed(5)
+    h = torch.randn(m * top_k, INTER, generator=gen).bfloat16()
+    h_q, h_s = quantize_per_token_int8_reference(h)
+    weights = torch.rand(m * top_k, generator=gen).bfloat16()
+    cfg = GroupedConfig(block=4, bn=32, bk=16)
+    routing = group_by_expert(ids, experts, cfg.block)
+    got = grouped_gemm(h_q, h_s.reshape(-1), stacked.down, stacked.down_scale, routing, 1, torch.bfloat16, cfg,
+                       route_weight=weights if routed else None)
+    for r in range(m * top_k):
+        e = int(ids.reshape(-1)[r])
+        want = int8_matmul_rescale_reference(h_q[r : r + 1], h_s[r : r + 1], stacked.down[e],
+                                             stacked.down_scale[e, :, None], torch.bfloat16)
+        if routed:
+            want = want * weights[r]
+        assert torch.equal(got[r : r + 1], want), f"row {r} (expert {e})"
+
+
+def test_int8_tokens_into_bf16_experts_are_refused():
+    stacked = random_experts(4, False, seed=1)
+    ids = routings(2, 2, 4, "random", seed=1)
+    routing = group_by_expert(ids, 4, 16)
+    x_q = torch.zeros(2, HIDDEN, dtype=torch.int8)
+    with pytest.raises(ValueError, match="int8 tokens with int8 experts only"):
+        grouped_gemm(x_q, torch.ones(2), stacked.gate_up, None, routing, 2, torch.bfloat16,
+                     GroupedConfig(16, 64, 128), gated=True)
+
+
+@pytest.mark.parametrize("quantized", [False, True], ids=["bf16", "w8a8"])
+def test_a_weighted_expert_added_to_a_base_equals_the_torch_sum(quantized):
+    """The shared expert's path: base + weight * expert(x), product and sum rounded as two bf16 operations."""
+    from npuport.kernels.fused_moe import add_weighted_expert, expert_mlp_reference
+
+    gen = torch.Generator().manual_seed(9)
+    expert = random_experts(1, quantized, seed=3)
+    x = torch.randn(5, HIDDEN, generator=gen).bfloat16()
+    base = torch.randn(5, HIDDEN, generator=gen).bfloat16()
+    weight = torch.rand(5, 1, generator=gen).bfloat16()
+    got = add_weighted_expert(x.clone(), expert, weight, base)  # CPU: the PyTorch path
+    want = base + weight * expert_mlp_reference(x, expert, 0)
+    assert torch.equal(got, want)
+    from npuport.kernels.fused_moe.few_tokens import pair_gate_up, token_down
+    from npuport.kernels.w8a8 import quantize_per_token_int8_triton
+
+    ids = torch.zeros(5, 1, dtype=torch.long)
+    tokens, scales = quantize_per_token_int8_triton(x) if quantized else (x, None)
+    h = pair_gate_up(tokens, None if scales is None else scales.reshape(-1), expert.gate_up, expert.gate_up_scale,
+                     ids, torch.bfloat16)
+    h_scales = None
+    if quantized:
+        h, h_scales = quantize_per_token_int8_triton(h)
+        h_scales = h_scales.reshape(-1)
+    kernels = token_down(h, h_scales, expert.down, expert.down_scale, ids, weight, torch.bfloat16, add_to=base)
+    assert torch.equal(kernels, want)
