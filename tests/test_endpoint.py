@@ -22,6 +22,20 @@ FAST = {"timeout_s": 2.0, "backoff_s": 0.01}
 
 
 @contextmanager
+def serving(handler: type[BaseHTTPRequestHandler]) -> Iterator[str]:
+    """A real HTTP server with `handler` on 127.0.0.1 in a thread; yields its base URL."""
+    server = ThreadingHTTPServer(("127.0.0.1", 0), handler)
+    server.daemon_threads = True
+    thread = threading.Thread(target=server.serve_forever, kwargs={"poll_interval": 0.02}, daemon=True)
+    thread.start()
+    try:
+        yield f"http://127.0.0.1:{server.server_address[1]}"
+    finally:
+        server.shutdown()
+        server.server_close()
+
+
+@contextmanager
 def scripted_server(respond: Callable[[dict, int], Reply]) -> Iterator[tuple[str, list[dict]]]:
     """An HTTP server on 127.0.0.1 answering POSTs with respond(request_json, request_number) -> (status, body).
     Yields its base URL and the list of requests it received."""
@@ -44,15 +58,8 @@ def scripted_server(respond: Callable[[dict, int], Reply]) -> Iterator[tuple[str
         def log_message(self, *args: object) -> None:
             pass
 
-    server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
-    server.daemon_threads = True
-    thread = threading.Thread(target=server.serve_forever, kwargs={"poll_interval": 0.02}, daemon=True)
-    thread.start()
-    try:
-        yield f"http://127.0.0.1:{server.server_address[1]}", received
-    finally:
-        server.shutdown()
-        server.server_close()
+    with serving(Handler) as url:
+        yield url, received
 
 
 def completion(text: str, tokens: int | None = None) -> bytes:

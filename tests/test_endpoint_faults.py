@@ -15,7 +15,7 @@ import time
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from email.utils import formatdate
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from http.server import BaseHTTPRequestHandler
 from pathlib import Path
 
 import pytest
@@ -24,7 +24,7 @@ from click.testing import CliRunner
 from npuport.cli import main
 from npuport.errors import EndpointError
 from npuport.runtime.validation.endpoint import CompletionsEndpoint, EndpointGivenUp, retry_after_seconds
-from tests.test_endpoint import FAST, completion, scripted_server
+from tests.test_endpoint import FAST, completion, scripted_server, serving
 
 # ---------------------------------------------------------------------------------------------------------
 # A server whose handler writes raw bytes, and the GSM8K questions it answers
@@ -51,15 +51,8 @@ def raw_server(handle: Callable[[BaseHTTPRequestHandler, dict, int], None]) -> I
         def log_message(self, *args: object) -> None:
             pass
 
-    server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
-    server.daemon_threads = True
-    thread = threading.Thread(target=server.serve_forever, kwargs={"poll_interval": 0.02}, daemon=True)
-    thread.start()
-    try:
-        yield f"http://127.0.0.1:{server.server_address[1]}", arrivals
-    finally:
-        server.shutdown()
-        server.server_close()
+    with serving(Handler) as url:
+        yield url, arrivals
 
 
 def send(handler: BaseHTTPRequestHandler, status: int, body: bytes, headers: dict[str, str] | None = None) -> None:

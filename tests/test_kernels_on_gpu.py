@@ -46,6 +46,7 @@ from npuport.kernels.gated_delta_rule import (  # noqa: E402
     replay_pending,
 )
 from npuport.kernels.gdn_gating import fused_gdn_gating, fused_gdn_gating_reference  # noqa: E402
+from npuport.kernels.rms_norm import rms_norm, rms_norm_reference  # noqa: E402
 from npuport.kernels.w8a8 import (  # noqa: E402
     gemm_config,
     gemm_overlaps_quantization,
@@ -176,6 +177,17 @@ def test_w8a8_gemm_overlapping_the_quantization_in_a_graph_is_exact(m, split_k):
         want_q, want_scale = quantize_per_token_int8_reference(x)
         want = int8_matmul_rescale_reference(want_q, want_scale, w_q, w_scale, torch.bfloat16)
         assert torch.equal(y, want), f"M={m}: {int((y != want).sum())} of {y.numel()} outputs differ"
+
+
+@pytest.mark.parametrize("shape", [(1, 1, 5120), (8, 4, 2048), (1, 512, 24, 256), (4096, 2048)])
+def test_rms_norm_at_real_sizes(shape):
+    """bf16 rows of the real widths: within bf16 rounding of the fp32 reference, and each row the same whatever
+    the batch around it."""
+    x = torch.randn(shape, device=CUDA).bfloat16() * 3
+    w = (torch.randn(shape[-1], device=CUDA) * 0.1).bfloat16()
+    got, want = rms_norm(x, w, 1e-6), rms_norm_reference(x, w, 1e-6)
+    assert rel(got, want) < 5e-3 and (got == want).float().mean().item() >= 0.98
+    assert torch.equal(rms_norm(x.reshape(-1, shape[-1])[:1], w, 1e-6)[0], got.reshape(-1, shape[-1])[0])
 
 
 def real_moe_experts(quantized: bool) -> StackedExperts:

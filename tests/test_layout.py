@@ -90,3 +90,12 @@ def test_every_package_says_what_lives_there_and_what_it_may_import() -> None:
     for init in sorted(p for folder in FOLDERS for p in (ROOT / folder).rglob("__init__.py")):
         doc = ast.get_docstring(ast.parse(init.read_text())) or ""
         assert "import" in doc.lower(), f"{init.relative_to(ROOT)}: the docstring should say what it may import"
+
+
+def test_every_package_folder_is_installed() -> None:
+    """pyproject.toml lists packages one by one: a new folder left out would import here (editable install)
+    and be missing from a wheel."""
+    tomllib = pytest.importorskip("tomllib")  # Python 3.11+
+    listed = set(tomllib.loads((ROOT / "pyproject.toml").read_text())["tool"]["setuptools"]["packages"])
+    folders = {module_name(p) for folder in FOLDERS for p in (ROOT / folder).rglob("__init__.py")}
+    assert folders <= listed, f"not in pyproject.toml's packages: {sorted(folders - listed)}"

@@ -28,6 +28,7 @@ from npuport.convert.check import check_artifact
 from npuport.convert.converter import convert_qwen35
 from npuport.errors import NpuportError
 from npuport.release.package import package_release
+from tests.test_output_safety import digests, leftovers, silent
 
 RUNNER = r"""
 import os, sys, time
@@ -69,17 +70,6 @@ main(args, prog_name="npuport")
 SMALL_SHARDS = ("--part-file-size", "0.00005")  # 15 shards of the tiny checkpoint
 
 
-def silent(_: str) -> None:
-    pass
-
-
-def digests(folder: Path) -> dict[str, str]:
-    return {p.relative_to(folder).as_posix(): hashlib.sha256(p.read_bytes()).hexdigest()
-            for p in sorted(folder.rglob("*")) if p.is_file()}
-
-
-def leftovers(parent: Path) -> list[str]:
-    return sorted(p.name for p in parent.iterdir() if ".npuport-" in p.name)
 
 
 class Run:

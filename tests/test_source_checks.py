@@ -19,6 +19,7 @@ from safetensors.torch import load_file, save_file
 from npuport.cli import main
 from npuport.errors import NpuportError
 from npuport.runtime.loader import load_model
+from tests.test_input_paths import one_line_error
 
 SOURCE_INDEX = "model.safetensors.index.json"
 ARTIFACT_INDEX = "quant_model_weights.safetensors.index.json"
@@ -48,15 +49,10 @@ def rewrite_tensor(model: Path, index_name: str, name: str, value: Callable[[tor
 def convert_error(src: Path, tmp_path: Path, *needles: str) -> str:
     """convert-qwen35's one-line error for `src`, after checking it wrote nothing and named every needle."""
     out = tmp_path / "out"
-    result = CliRunner().invoke(main, ["convert-qwen35", "--a8w8", str(src), str(out), "--quiet"])
-    assert result.exit_code == 1, result.output
-    assert "Traceback" not in result.output
-    lines = [line for line in result.output.splitlines() if line.startswith("error:")]
-    assert len(lines) == 1, result.output
-    for needle in needles:
-        assert needle in lines[0], (needle, lines[0])
+    line = one_line_error(CliRunner().invoke(main, ["convert-qwen35", "--a8w8", str(src), str(out), "--quiet"]),
+                          *needles)
     assert not out.exists() and not list(tmp_path.glob(".out*")), "convert wrote something"
-    return lines[0]
+    return line
 
 
 def loader_error(model: Path, *needles: str) -> str:

@@ -146,7 +146,9 @@ class _Exchange:
             _shutdown(sock)
 
 
-class _CuttableHTTPConnection(http.client.HTTPConnection):
+class _Cuttable:
+    """Mixed into an http.client connection: hands its socket to the exchange once connected."""
+
     def __init__(self, host: str, *, exchange: _Exchange, **kwargs):
         super().__init__(host, **kwargs)
         self._exchange = exchange
@@ -156,14 +158,12 @@ class _CuttableHTTPConnection(http.client.HTTPConnection):
         self._exchange.attach(self.sock)
 
 
-class _CuttableHTTPSConnection(http.client.HTTPSConnection):
-    def __init__(self, host: str, *, exchange: _Exchange, **kwargs):
-        super().__init__(host, **kwargs)
-        self._exchange = exchange
+class _CuttableHTTPConnection(_Cuttable, http.client.HTTPConnection):
+    pass
 
-    def connect(self) -> None:
-        super().connect()
-        self._exchange.attach(self.sock)
+
+class _CuttableHTTPSConnection(_Cuttable, http.client.HTTPSConnection):
+    pass
 
 
 class _CuttableHTTPHandler(urllib.request.HTTPHandler):
