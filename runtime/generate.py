@@ -4,8 +4,10 @@ max tokens and acceptance statistics per draft position (QWEN35.md, "Verify, acc
 
 from __future__ import annotations
 
+import contextlib
 import copy
-from collections.abc import Callable, Iterable, Sequence
+import threading
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass
 
 import torch
@@ -15,7 +17,7 @@ from npuport.errors import NpuportError
 from npuport.kernels.gated_delta_rule import VerifyLog
 from npuport.runtime.model import Qwen35
 from npuport.runtime.sampling import SamplingParams, accept_drafts, make_generator, sample
-from npuport.runtime.state import GDNState, ModelState, commit_accepted
+from npuport.runtime.state import GDNState, ModelState, commit_accepted, reset_state
 
 MAX_DRAFTS = 4
 
@@ -289,6 +291,44 @@ def use_graphs(model: Qwen35, graphs: bool | None) -> bool:
     return graphs
 
 
+# Capacities are rounded up to this many positions, so that calls with prompts of other lengths find the same
+# states and captured steps.
+CAPACITY_STEP = 256
+
+
+_KEPT_STEPS_LOCK = threading.Lock()  # guards creating a model's lock for its kept steps
+
+
+@contextlib.contextmanager
+def reusable_steps(model: Qwen35, batch: int, capacity: int, mtp: int, graphs: bool) -> Iterator[Steps]:
+    """Steps over fresh target (and, with mtp, MTP head) states for `batch` requests of `capacity` positions.
+    With graphs, the last call's states and captured steps are reset and reused when the shapes match (one set
+    kept per model): a generate call then replays graphs instead of capturing them again (tens of ms a call).
+    A call that finds the kept set in use by another thread gets fresh states of its own."""
+    with _KEPT_STEPS_LOCK:
+        lock = model.__dict__.setdefault("_kept_steps_lock", threading.Lock())
+    if not graphs or not lock.acquire(blocking=False):
+        mtp_state = model.new_mtp_state(batch, capacity) if mtp else None
+        yield Steps(model, model.new_state(batch, capacity, spec_tokens=mtp), mtp_state, graphs)
+        return
+    try:
+        capacity = -(-capacity // CAPACITY_STEP) * CAPACITY_STEP
+        key = (batch, capacity, mtp, model.dtype)
+        kept = model.__dict__.get("_kept_steps")
+        if kept is None or kept[0] != key:
+            model.__dict__["_kept_steps"] = None  # the old set's memory goes before the new one is made
+            mtp_state = model.new_mtp_state(batch, capacity) if mtp else None
+            kept = (key, Steps(model, model.new_state(batch, capacity, spec_tokens=mtp), mtp_state, graphs))
+            model.__dict__["_kept_steps"] = kept
+        steps = kept[1]
+        for state in (steps.state, steps.mtp_state):
+            if state is not None:
+                reset_state(state)
+        yield steps
+    finally:
+        lock.release()
+
+
 @torch.no_grad()
 def generate(model: Qwen35, prompts: Sequence[Sequence[int]], max_new_tokens: int, *, mtp: int = 0,
              sampling: SamplingParams | None = None, stop_tokens: Iterable[int] = (),
@@ -309,19 +349,28 @@ def generate(model: Qwen35, prompts: Sequence[Sequence[int]], max_new_tokens: in
         raise NpuportError("this checkpoint has no MTP head (mtp.*); speculative decoding needs one")
     device = model.device
     tokens, lengths = pad_prompts(prompts, device)
-    batch, rows = len(prompts), torch.arange(len(prompts), device=device)
-    capacity = tokens.shape[1] + max_new_tokens + mtp + 1
+    batch = len(prompts)
+    graphs = use_graphs(model, graphs)
     generator = make_generator(sampling.seed, device)
-    state = model.new_state(batch, capacity, spec_tokens=mtp)
-    out = _Outputs(len(prompts), max_new_tokens, stop_tokens, should_stop)
+    with reusable_steps(model, batch, tokens.shape[1] + max_new_tokens + mtp + 1, mtp, graphs) as steps:
+        return _generate(model, steps, tokens, lengths, max_new_tokens, mtp, sampling, generator, stop_tokens,
+                         prefill_chunk, should_stop)
+
+
+def _generate(model: Qwen35, steps: Steps, tokens: torch.Tensor, lengths: torch.Tensor, max_new_tokens: int,
+              mtp: int, sampling: SamplingParams, generator: torch.Generator, stop_tokens: Iterable[int],
+              prefill_chunk: int | None, should_stop: StopCheck | None) -> GenerationResult:
+    """generate's rounds over the states of `steps`: prefill, then decode or MTP rounds until every request ends."""
+    device, batch = model.device, tokens.shape[0]
+    rows = torch.arange(batch, device=device)
+    state = steps.state
+    out = _Outputs(batch, max_new_tokens, stop_tokens, should_stop)
 
     hidden = prefill(model, state, tokens, lengths, prefill_chunk)
     next_tok = sample(model.logits(hidden[rows, lengths - 1]), sampling, generator)
     out.add(next_tok[:, None], torch.ones_like(lengths))
 
-    graphs = use_graphs(model, graphs)
     if mtp == 0:
-        steps = Steps(model, state, None, graphs)
         while out.running():
             progress, rounds = DeviceProgress(out, device), []
             for _ in range(out.rounds_before_sync()):
@@ -335,12 +384,11 @@ def generate(model: Qwen35, prompts: Sequence[Sequence[int]], max_new_tokens: in
                 out.add(new, out.active(new.device).long())
         return GenerationResult(out.tokens, out.reasons)
 
-    mtp_state = model.new_mtp_state(batch, capacity)
+    mtp_state = steps.mtp_state
     shifted = tokens.roll(-1, dims=1)
     shifted[rows, lengths - 1] = next_tok
     mtp_logits, mtp_hidden = mtp_prefill(model, mtp_state, shifted, hidden, lengths, prefill_chunk)
     stats = AcceptanceStats.empty(batch, mtp)
-    steps = Steps(model, state, mtp_state, graphs)
     while out.running():
         progress, rounds = DeviceProgress(out, device), []
         for _ in range(out.rounds_before_sync()):

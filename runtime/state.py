@@ -124,6 +124,19 @@ def new_mtp_state(config: ModelConfig, batch: int, capacity: int, dtype: torch.d
     return ModelState(torch.zeros(batch, dtype=torch.long, device=device), layers)
 
 
+def reset_state(state: ModelState) -> None:
+    """Back to empty caches, in place (the same tensors, so graphs captured over them stay valid): no position
+    committed, zero GDN and conv states, nothing pending. KV entries are left: no query sees past its position."""
+    state.positions.zero_()
+    for layer in state.layers:
+        if isinstance(layer, GDNState):
+            layer.recurrent.zero_()
+            layer.conv.zero_()
+            if layer.log is not None:
+                layer.log.clear()
+            layer.staged = 0
+
+
 def commit_accepted(state: ModelState, n_new: torch.Tensor) -> None:
     """Keep the first n_new[b] tokens of the last forward for request b (0 for a finished request):
     KV length p -> p + n_new, GDN log entries 0..n_new - 1 pending, conv window rolled back over the rest."""

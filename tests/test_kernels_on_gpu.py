@@ -245,6 +245,17 @@ def test_greedy_mtp_output_equals_greedy_output_on_gpu(kind, dtype, tiny_checkpo
         assert spec.tokens == plain.tokens, f"mtp={k}"
 
 
+def test_calls_reusing_captured_steps_give_what_fresh_states_give(tiny_checkpoints):
+    """A second call of the same shape resets and replays the first call's states and graphs: another batch in
+    between, then the first again, each equal to a run on fresh states without graphs."""
+    model = load_model(tiny_checkpoints["moe-text-per-expert"], CUDA, torch.bfloat16)
+    other = [[5, 6, 7, 8, 9, 10], list(range(900, 930)), [42] * 3]
+    for prompts in (PROMPTS, other, PROMPTS):
+        for k in (0, 2):
+            fresh = generate(model, prompts, 24, mtp=k, graphs=False).tokens
+            assert generate(model, prompts, 24, mtp=k).tokens == fresh
+
+
 def verify_logits(model, prompt: list[int]) -> torch.Tensor:
     """Prefill all but the last 4 tokens (chunked kernels), then one verify step of 4 (recurrent kernels,
     conv update, static KV): logits [4, vocab]."""
