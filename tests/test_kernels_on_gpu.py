@@ -190,6 +190,19 @@ def test_rms_norm_at_real_sizes(shape):
     assert torch.equal(rms_norm(x.reshape(-1, shape[-1])[:1], w, 1e-6)[0], got.reshape(-1, shape[-1])[0])
 
 
+@pytest.mark.parametrize("hv", [32, 48])
+def test_chunked_prefill_in_float32_at_real_head_counts(hv):
+    """Float32 tiles fit the GPU's shared memory (HV = 32 is Qwen3.5-35B-A3B's) and match the reference."""
+    gen = torch.Generator(device=CUDA).manual_seed(hv)
+    q, k = (torch.randn(1, 200, H, K, generator=gen, device=CUDA) for _ in range(2))
+    v = torch.randn(1, 200, hv, V, generator=gen, device=CUDA)
+    g = -torch.rand(1, 200, hv, generator=gen, device=CUDA) * 0.5
+    beta = torch.rand(1, 200, hv, generator=gen, device=CUDA)
+    out, state = chunk_gated_delta_rule(q, k, v, g, beta)
+    want_out, want_state = chunk_gated_delta_rule_reference(q, k, v, g, beta)
+    assert rel(out, want_out) < 2e-2 and rel(state, want_state) < 2e-2
+
+
 def real_moe_experts(quantized: bool) -> StackedExperts:
     """Qwen3.5-35B-A3B's experts: 256 of intermediate 512 over hidden 2048, random, per-channel int8 for W8A8."""
     gen = torch.Generator(device=CUDA).manual_seed(0)

@@ -251,19 +251,21 @@ class ChunkConfig:
     prepare_warps: int = 4
 
 
-def chunk_config(batch: int, hv: int, v_dim: int, device: torch.device) -> ChunkConfig:
+def chunk_config(batch: int, hv: int, v_dim: int, device: torch.device, element_size: int = 2) -> ChunkConfig:
     """The state kernel is one sequential walk per (request, head, value block): wide [K, 64] blocks do the
     most per chunk, narrow [K, 32] ones give twice the programs. Take the wide ones unless that leaves the
-    multiprocessors much emptier (measured on an H200: HV = 32 wants 32, HV = 48 wants 64; bench/RESULTS.md)."""
+    multiprocessors much emptier (measured on an H200: HV = 32 wants 32, HV = 48 wants 64; bench/RESULTS.md).
+    Float32 tiles (element_size 4) take twice the shared memory per pipeline stage: one stage only (with three
+    the HV = 32 launch asked an H200 for 262 KB of its 232 KB)."""
     units = multiprocessor_count(device)
 
     def filled(bv: int) -> float:
         programs = batch * hv * -(-v_dim // bv)
         return programs / (-(-programs // units) * units)
 
-    if filled(64) >= 0.9 * filled(32):
-        return ChunkConfig(state_bv=64, state_warps=4, state_stages=2)
-    return ChunkConfig(state_bv=32, state_warps=4, state_stages=3)
+    wide = filled(64) >= 0.9 * filled(32)
+    stages = 1 if element_size > 2 else 2 if wide else 3
+    return ChunkConfig(state_bv=64 if wide else 32, state_warps=4, state_stages=stages)
 
 
 def chunk_gated_delta_rule_triton(
@@ -279,7 +281,7 @@ def chunk_gated_delta_rule_triton(
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """The Triton kernels behind chunk_gated_delta_rule (any device; CPU tensors run in Triton's
     interpreter). chunk_size is the reference's; the kernels use chunks of 64 tokens."""
-    cfg = config or chunk_config(q.shape[0], v.shape[2], v.shape[3], v.device)
+    cfg = config or chunk_config(q.shape[0], v.shape[2], v.shape[3], v.device, v.element_size())
     parts = chunk_prepare(q, k, v, g, beta, use_qk_l2norm, cfg)
     return chunk_states(parts, initial_state, cfg)
 
@@ -325,7 +327,8 @@ def chunk_prepare(q, k, v, g, beta, use_qk_l2norm: bool = True, config: ChunkCon
 def chunk_states(parts: ChunkParts, initial_state: torch.Tensor | None = None,
                  config: ChunkConfig | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """The second kernel: the walk over chunks. Returns o [B, T, HV, V] and the final state [B, HV, K, V]."""
-    cfg = config or chunk_config(parts.u.shape[0], parts.u.shape[2], parts.u.shape[3], parts.u.device)
+    cfg = config or chunk_config(parts.u.shape[0], parts.u.shape[2], parts.u.shape[3], parts.u.device,
+                                 parts.u.element_size())
     q, w, u, p = parts.q, parts.w, parts.u, parts.p
     b, t, h, kd = q.shape
     hv, vd = u.shape[2], u.shape[3]
