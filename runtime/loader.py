@@ -178,32 +178,35 @@ class _Loader:
                for n, b in built.state_dict().items()}
         rows = {"gate_proj": slice(0, i), "up_proj": slice(i, two_i), "down_proj": slice(None)}
         for e in range(e_count):
+            if not quantized:
+                self.copy_float_expert(ck, e, "gate_up_proj", {p: rows[p] for p in ("gate_proj", "up_proj")},
+                                       out["gate_up_proj"][e])
+                self.copy_float_expert(ck, e, "down_proj", {"down_proj": rows["down_proj"]}, out["down_proj"][e])
+                continue
             for proj, shape in per_expert.items():
                 target = "down_proj" if proj == "down_proj" else "gate_up_proj"
-                if quantized:
-                    weight, scale = self.w8a8(f"{ck}.{e}.{proj}", shape)
-                    out[target][e, rows[proj]].copy_(weight)
-                    out[f"{target}_scale"][e, rows[proj]].copy_(scale.float().reshape(-1))
-                else:
-                    out[target][e, rows[proj]].copy_(self.float_expert(ck, e, proj, shape))
+                weight, scale = self.w8a8(f"{ck}.{e}.{proj}", shape)
+                out[target][e, rows[proj]].copy_(weight)
+                out[f"{target}_scale"][e, rows[proj]].copy_(scale.float().reshape(-1))
         return built, out
 
-    def float_expert(self, ck: str, e: int, proj: str, shape: tuple[int, int]) -> torch.Tensor:
-        """Expert e's FLOAT gate/up/down weight, per expert or from the layer's fused tensor."""
-        name = f"{ck}.{e}.{proj}.weight"
-        if name in self.ckpt:
-            if self.ckpt.label(name) != FLOAT:
-                raise self.ckpt.error(f"tensor {name} is labelled {self.ckpt.label(name)}, expected {FLOAT}")
-            return self.ckpt.read(name, shape, "float")
-        fused = f"{ck}.{'down_proj' if proj == 'down_proj' else 'gate_up_proj'}"
+    def copy_float_expert(self, ck: str, e: int, fused_name: str, parts: dict[str, slice], dst: torch.Tensor) -> None:
+        """Expert e's FLOAT weight rows into dst: from its per-expert tensors (`parts`: projection -> its rows of
+        dst), or, where the layer is stored fused, from expert e's slice of `{ck}.{fused_name}`, read once."""
+        names = {proj: f"{ck}.{e}.{proj}.weight" for proj in parts}
+        if all(name in self.ckpt for name in names.values()):
+            for proj, name in names.items():
+                if self.ckpt.label(name) != FLOAT:
+                    raise self.ckpt.error(f"tensor {name} is labelled {self.ckpt.label(name)}, expected {FLOAT}")
+                dst[parts[proj]].copy_(self.ckpt.read(name, tuple(dst[parts[proj]].shape), "float"))
+            return
+        fused = f"{ck}.{fused_name}"
         if fused not in self.ckpt:
-            raise self.ckpt.error(f"tensor {name} is missing (nor is there a fused {fused})")
+            missing = next(name for name in names.values() if name not in self.ckpt)
+            raise self.ckpt.error(f"tensor {missing} is missing (nor is there a fused {fused})")
         if self.ckpt.label(fused) != FLOAT:
             raise self.ckpt.error(f"tensor {fused} is labelled {self.ckpt.label(fused)}; fused experts must be {FLOAT}")
-        if proj == "down_proj":
-            return self.ckpt.read(fused, (self.n_experts, *shape), "float", index=e)
-        both = self.ckpt.read(fused, (self.n_experts, 2 * shape[0], shape[1]), "float", index=e)
-        return both[: shape[0]] if proj == "gate_proj" else both[shape[0] :]
+        dst.copy_(self.ckpt.read(fused, (self.n_experts, *dst.shape), "float", index=e))
 
 
 def load_model(path: Path | str, device: torch.device | str | None = None,

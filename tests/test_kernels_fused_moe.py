@@ -188,16 +188,10 @@ def test_a_weighted_expert_added_to_a_base_equals_the_torch_sum(quantized):
     got = add_weighted_expert(x.clone(), expert, weight, base)  # CPU: the PyTorch path
     want = base + weight * expert_mlp_reference(x, expert, 0)
     assert torch.equal(got, want)
-    from npuport.kernels.fused_moe.few_tokens import pair_gate_up, token_down
-    from npuport.kernels.w8a8 import quantize_per_token_int8_triton
+    from npuport.kernels.fused_moe.few_tokens import few_tokens_config
+    from npuport.kernels.fused_moe.fused_experts import as_expert_input, few_tokens_experts
 
     ids = torch.zeros(5, 1, dtype=torch.long)
-    tokens, scales = quantize_per_token_int8_triton(x) if quantized else (x, None)
-    h = pair_gate_up(tokens, None if scales is None else scales.reshape(-1), expert.gate_up, expert.gate_up_scale,
-                     ids, torch.bfloat16)
-    h_scales = None
-    if quantized:
-        h, h_scales = quantize_per_token_int8_triton(h)
-        h_scales = h_scales.reshape(-1)
-    kernels = token_down(h, h_scales, expert.down, expert.down_scale, ids, weight, torch.bfloat16, add_to=base)
+    kernels = few_tokens_experts(*as_expert_input(x, expert), expert, ids, weight, torch.bfloat16,
+                                 few_tokens_config(5), add_to=base)  # the path a GPU takes, interpreted here
     assert torch.equal(kernels, want)

@@ -40,30 +40,40 @@ def fused_experts_triton(x: torch.Tensor, experts: StackedExperts, weights: torc
     """The Triton kernels behind fused_experts (any device; CPU tensors run in Triton's interpreter); the
     mat-vec kernels (with few_config) up to few_pairs routed pairs, the grouped GEMMs (with `config`) beyond."""
     m, top_k = expert_ids.shape
-    tokens, token_scales = x, None
-    if experts.quantized:
-        tokens, token_scales = x_int8 if x_int8 is not None else quantize_per_token_int8(x)
-        token_scales = token_scales.reshape(-1)
+    if x_int8 is not None and experts.quantized:
+        tokens, token_scales = x_int8[0], x_int8[1].reshape(-1)
+    else:
+        tokens, token_scales = as_expert_input(x, experts)
     if m * top_k <= few_pairs:
-        few_config = few_config or few_tokens_config(m * top_k)
-        h = pair_gate_up(tokens, token_scales, experts.gate_up, experts.gate_up_scale, expert_ids, x.dtype,
-                         few_config)
-        h_scales = None
-        if experts.quantized:
-            h, h_scales = quantize_per_token_int8(h)
-            h_scales = h_scales.reshape(-1)
-        return token_down(h, h_scales, experts.down, experts.down_scale, expert_ids, weights, x.dtype, few_config)
+        return few_tokens_experts(tokens, token_scales, experts, expert_ids, weights, x.dtype,
+                                  few_config or few_tokens_config(m * top_k))
     cfg = config or grouped_config(m * top_k, experts.num_experts, x.device)
     routing = group_by_expert(expert_ids, experts.num_experts, cfg.block)
     h = grouped_gemm(tokens, token_scales, experts.gate_up, experts.gate_up_scale, routing, top_k, x.dtype, cfg,
                      gated=True)
-    h_scales = None
-    if experts.quantized:
-        h, h_scales = quantize_per_token_int8(h)
-        h_scales = h_scales.reshape(-1)
+    h, h_scales = as_expert_input(h, experts)
     y = grouped_gemm(h, h_scales, experts.down, experts.down_scale, routing, 1, x.dtype, cfg,
                      route_weight=weights.reshape(-1))
     return sum_slots(y.view(m, top_k, -1))
+
+
+def as_expert_input(x: torch.Tensor, experts: StackedExperts) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """x [M, K] as the experts' GEMMs take it: (int8 values, per-token scales [M]) for W8A8 experts, else (x, None)."""
+    if not experts.quantized:
+        return x, None
+    values, scales = quantize_per_token_int8(x)
+    return values, scales.reshape(-1)
+
+
+def few_tokens_experts(tokens: torch.Tensor, token_scales: torch.Tensor | None, experts: StackedExperts,
+                       expert_ids: torch.Tensor, weights: torch.Tensor, out_dtype: torch.dtype,
+                       config: FewTokensConfig, add_to: torch.Tensor | None = None) -> torch.Tensor:
+    """The mat-vec path: tokens [M, H] (as_expert_input's form), expert_ids and weights [M, top_k] -> [M, H] in
+    out_dtype, each token's weighted expert outputs summed in slot order (onto add_to [M, H] when given)."""
+    h = pair_gate_up(tokens, token_scales, experts.gate_up, experts.gate_up_scale, expert_ids, out_dtype, config)
+    h, h_scales = as_expert_input(h, experts)
+    return token_down(h, h_scales, experts.down, experts.down_scale, expert_ids, weights, out_dtype, config,
+                      add_to=add_to)
 
 
 def add_weighted_expert(x: torch.Tensor, expert: StackedExperts, weight: torch.Tensor, base: torch.Tensor
@@ -76,15 +86,5 @@ def add_weighted_expert(x: torch.Tensor, expert: StackedExperts, weight: torch.T
     if not use_triton(x) or m > FEW_PAIRS:
         return base + weight * expert_mlp_reference(x, expert, 0)
     ids = torch.zeros(m, 1, dtype=torch.int64, device=x.device)
-    config = few_tokens_config(m)
-    tokens, scales = (x, None)
-    if expert.quantized:
-        tokens, scales = quantize_per_token_int8(x)
-        scales = scales.reshape(-1)
-    h = pair_gate_up(tokens, scales, expert.gate_up, expert.gate_up_scale, ids, x.dtype, config)
-    h_scales = None
-    if expert.quantized:
-        h, h_scales = quantize_per_token_int8(h)
-        h_scales = h_scales.reshape(-1)
-    return token_down(h, h_scales, expert.down, expert.down_scale, ids, weight.reshape(m, 1), x.dtype, config,
-                      add_to=base.contiguous())
+    return few_tokens_experts(*as_expert_input(x, expert), expert, ids, weight.reshape(m, 1), x.dtype,
+                              few_tokens_config(m), add_to=base.contiguous())
