@@ -264,7 +264,8 @@ def end_to_end(args, copy_bps: float, save) -> dict:
                           "ms_per_token": run.time_per_output_token_ms, "prefill_tok_s": run.prefill_tokens_per_s}
                 if k == 0 and run.time_per_output_token_ms:
                     seconds = run.time_per_output_token_ms / 1000
-                    record["bandwidth_share"] = step_bytes(model, batch) / seconds / copy_bps
+                    record["step_bytes"] = step_bytes(model, batch)
+                    record["bandwidth_share"] = record["step_bytes"] / seconds / copy_bps
                 out["runs"].append(record)
                 print(record, flush=True)
                 save()
@@ -279,14 +280,47 @@ def end_to_end(args, copy_bps: float, save) -> dict:
         return out
     reference = transformers.AutoModelForCausalLM.from_pretrained(source, dtype=torch.bfloat16).to("cuda").eval()
     tokenizer = transformers.AutoTokenizer.from_pretrained(source)
-    for batch in batches:
-        run = transformers_throughput(reference, tokenizer, prompts[:batch], args.new_tokens, 2)
-        out["runs"].append({"runtime": f"transformers {transformers.__version__} eager", "batch": batch,
-                            "ms_per_token": run["time_per_output_token_ms"],
-                            "prefill_tok_s": run["prefill_tokens_per_s"]})
-        print(out["runs"][-1], flush=True)
-        save()
+    out["fla"] = fla_version()
+    moe = bool(reference.config.get_text_config().to_dict().get("num_experts"))
+    for experts, options in TRANSFORMERS_SETTINGS:
+        if experts and not moe and not options:
+            continue  # a dense model has no experts implementation to pick
+        setting = ", ".join([f"{experts or 'eager'} experts"] * moe + ["static cache + compile"] * bool(options))
+        for module in reference.modules():  # each MoE block reads the implementation from its config at every call
+            if moe and hasattr(module, "config"):
+                module.config._experts_implementation = experts or "eager"
+        for batch in batches:
+            name = f"transformers {transformers.__version__} {setting or 'eager'}"
+            name += f", fla {out['fla']}" if out["fla"] else ", no fla"
+            try:
+                run = transformers_throughput(reference, tokenizer, prompts[:batch], args.new_tokens, 2, **options)
+            except Exception as e:  # a setting this model or version does not support
+                out["runs"].append({"runtime": name, "batch": batch, "failed": f"{type(e).__name__}: {e}"[:300]})
+            else:
+                out["runs"].append({"runtime": name, "batch": batch, "ms_per_token": run["time_per_output_token_ms"],
+                                    "prefill_tok_s": run["prefill_tokens_per_s"]})
+            print(out["runs"][-1], flush=True)
+            save()
     return out
+
+
+# transformers settings timed end to end: (experts implementation, None = eager; generate options). A static
+# cache turns on generate's auto-compile.
+TRANSFORMERS_SETTINGS = (
+    (None, {}),
+    ("grouped_mm", {}),
+    ("grouped_mm", {"cache_implementation": "static"}),
+)
+
+
+def fla_version() -> str | None:
+    """The flash-linear-attention version transformers' GDN layers use, None when it is not installed."""
+    from importlib.metadata import PackageNotFoundError, version
+
+    try:
+        return version("flash-linear-attention")
+    except PackageNotFoundError:
+        return None
 
 
 def main() -> None:

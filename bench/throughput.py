@@ -31,8 +31,10 @@ from npuport.runtime.validation.throughput import measure_throughput, synchroniz
 from npuport.runtime.validation.validate import describe_device
 
 
-def transformers_throughput(model, tokenizer, prompts: list[list[int]], new_tokens: int, repeats: int) -> dict:
-    """transformers `generate` (greedy, left-padded, exactly new_tokens per request), timed like the runtime."""
+def transformers_throughput(model, tokenizer, prompts: list[list[int]], new_tokens: int, repeats: int,
+                            **generate_options) -> dict:
+    """transformers `generate` (greedy, left-padded, exactly new_tokens per request), timed like the runtime;
+    generate_options go to generate (e.g. cache_implementation="static", which turns on its auto-compile)."""
     width = max(map(len, prompts))
     pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0
     ids = torch.tensor([[pad] * (width - len(p)) + p for p in prompts], device=model.device)
@@ -42,7 +44,7 @@ def transformers_throughput(model, tokenizer, prompts: list[list[int]], new_toke
         synchronize(model.device)
         start = time.perf_counter()
         model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=n, min_new_tokens=n, do_sample=False,
-                       pad_token_id=pad)
+                       pad_token_id=pad, **generate_options)
         synchronize(model.device)
         return time.perf_counter() - start
 

@@ -1,12 +1,17 @@
 """RMSNorm as Qwen3.5 computes it: y = x * rsqrt(mean(x^2) + eps) * (1 + w), in fp32 (float64 for float64
 inputs), rounded once to x's dtype - one Triton launch per call instead of the half-dozen elementwise and
 reduction kernels of the PyTorch version beside it. Rows are independent: a row's result does not depend on
-how many rows are in the call."""
+how many rows are in the call.
+
+add_rms_norm fuses the residual add in front of it, and sum_of_squares / inverse_rms are the row statistic of
+the fused norms (here, gated_rms_norm.py, rope.py): fp32 sums added in the order of PyTorch's CPU sum, so that
+those kernels equal their references bit for bit."""
 
 from __future__ import annotations
 
 import torch
 
+from npuport.devices import is_gpu
 from npuport.kernels.launch import jit, launch, launch_options, next_power_of_2, persistent_grid, tl, use_triton
 
 
@@ -48,3 +53,147 @@ def rms_norm_triton(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.
            rows.stride(0), out.stride(0), eps, BN=block,
            **launch_options(x.device, num_warps=8 if block >= 4096 else 4 if block >= 1024 else 1))
     return out.view(x.shape)
+
+
+def add_rms_norm(
+    x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """x, residual [..., N] of one dtype, weight [N] (zero-centred) -> (rms_norm(x + residual), x + residual),
+    both [..., N] in x's dtype; the sum is rounded to that dtype before it is normalised (as PyTorch adds)."""
+    if (use_triton(x, residual, weight) and x.dtype == residual.dtype and x.shape == residual.shape
+            and x.shape[-1] >= SUM_LANES):
+        return add_rms_norm_triton(x, residual, weight, eps)
+    return add_rms_norm_reference(x, residual, weight, eps)
+
+
+def add_rms_norm_reference(
+    x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float
+) -> tuple[torch.Tensor, torch.Tensor]:
+    s = x + residual
+    return rms_norm_reference(s, weight, eps), s
+
+
+# PyTorch's CPU sum (ATen's SumKernel.cpp: on x86 its AVX2 kernel, which machines with AVX-512 run for sums
+# too) adds a contiguous fp32 row as 8-lane vectors, 4 vectors a step, the steps in blocks of 16 whose sums
+# cascade into coarser accumulators (blocks of 16 for rows under 2^24 values); then the leftover vectors, the
+# 4 partial vectors, the tail past the last whole vector and the 8 lanes, one after the other. sum_of_squares
+# adds in that order: fp32 additions round correctly on every device (on a GPU, once a multiply and an add are
+# kept apart: exact_launch_options), so its sums, and so the kernels that use it, equal the references' bit for
+# bit. tests/test_fused_norms.py pins the order: a PyTorch that sums otherwise fails it.
+SUM_LANES = 8
+
+
+@jit
+def row_values(x, r, offs, ok, HAS_RESIDUAL: tl.constexpr):
+    """fp32 values of a row at offs: x's, or x + r rounded to x's dtype (as PyTorch adds two tensors)."""
+    v = tl.load(x + offs, mask=ok, other=0.0).to(tl.float32)
+    if HAS_RESIDUAL:
+        v = (v + tl.load(r + offs, mask=ok, other=0.0).to(tl.float32)).to(x.dtype.element_ty).to(tl.float32)
+    return v
+
+
+@jit
+def _pick(v, index, i):
+    """v[i] along axis 0 (index: that axis' arange, broadcastable to v): a sum of v[i] and zeros, so exact."""
+    return tl.sum(tl.where(index == i, v, 0.0), axis=0)
+
+
+@jit
+def sum_of_squares(x, r, N: tl.constexpr, HAS_RESIDUAL: tl.constexpr):
+    """The fp32 sum of squares of one row of N >= 8 values (row_values(x, r, ...)), in PyTorch's CPU order."""
+    STEPS: tl.constexpr = N // 32
+    BLOCKS: tl.constexpr = STEPS // 16
+    vec = tl.arange(0, 4)[:, None]
+    lane = tl.arange(0, 8)
+    step = vec * 8 + lane[None, :]  # [4, 8]: the 4 vectors of 8 lanes one step adds
+    step_ok = step < 32
+    acc1 = tl.zeros([4, 8], dtype=tl.float32)
+    acc2 = tl.zeros([4, 8], dtype=tl.float32)
+    acc3 = tl.zeros([4, 8], dtype=tl.float32)
+    # unrolled, so that a GPU issues every load of the row up front; only the adds wait on each other
+    for block in tl.static_range(BLOCKS):
+        acc0 = tl.zeros([4, 8], dtype=tl.float32)
+        for j in tl.static_range(16):
+            v = row_values(x, r, (block * 16 + j) * 32 + step, step_ok, HAS_RESIDUAL)
+            acc0 += v * v
+        acc1 += acc0
+        if (block + 1) % 16 == 0:  # every 16 blocks acc1 moves into acc2, every 256 acc2 into acc3
+            acc2 += acc1
+            acc1 = tl.zeros([4, 8], dtype=tl.float32)
+            if (block + 1) % 256 == 0:
+                acc3 += acc2
+                acc2 = tl.zeros([4, 8], dtype=tl.float32)
+    acc0 = tl.zeros([4, 8], dtype=tl.float32)
+    for j in tl.static_range(BLOCKS * 16, STEPS):
+        v = row_values(x, r, j * 32 + step, step_ok, HAS_RESIDUAL)
+        acc0 += v * v
+    acc0 = acc0 + acc1
+    acc0 = acc0 + acc2
+    acc0 = acc0 + acc3
+    partial = _pick(acc0, vec, 0)  # [8]
+    for j in tl.static_range(STEPS * 4, N // 8):  # the 0-3 whole vectors after the last step
+        v = row_values(x, r, j * 8 + lane, lane < 8, HAS_RESIDUAL)
+        partial += v * v
+    partial = partial + _pick(acc0, vec, 1)
+    partial = partial + _pick(acc0, vec, 2)
+    partial = partial + _pick(acc0, vec, 3)
+    total = 0.0
+    if N % 8 != 0:
+        v = row_values(x, r, (N // 8) * 8 + lane, lane < N % 8, HAS_RESIDUAL)
+        tail = v * v
+        for j in tl.static_range(N % 8):
+            total += _pick(tail, lane, j)
+    for j in tl.static_range(8):
+        total += _pick(partial, lane, j)
+    return total
+
+
+@jit
+def inverse_rms(total, N: tl.constexpr, eps):
+    """rsqrt(total / N + eps) as PyTorch's CPU mean and rsqrt round it: a true division by N, then 1 / sqrt,
+    each correctly rounded (div_rn and sqrt_rn: the default GPU division and rsqrt are approximate)."""
+    mean = tl.div_rn(total, tl.full([], N, tl.float32))
+    return tl.div_rn(tl.full([], 1.0, tl.float32), tl.sqrt_rn(mean + eps))
+
+
+def exact_launch_options(device: torch.device, num_warps: int) -> dict:
+    """launch_options for the bit-exact kernels: on a GPU, without fusing a multiply and an add into an fma
+    (the references round the product first)."""
+    return launch_options(device, num_warps=num_warps) | ({"enable_fp_fusion": False} if is_gpu(device) else {})
+
+
+# NPU budget: a chunk of up to 1024 columns of x, residual, weight, both outputs in fp32 (20 KiB) and the
+# [4, 8] accumulators of the sum.
+@jit
+def _add_rms_norm_kernel(x, res, w, normed, summed, M, sx_m, sr_m, sn_m, ss_m, eps, N: tl.constexpr,
+                         BLOCK: tl.constexpr):
+    for row in range(tl.program_id(0), M, tl.num_programs(0)):
+        at = tl.cast(row, tl.int64)
+        x_row, r_row = x + at * sx_m, res + at * sr_m
+        rinv = inverse_rms(sum_of_squares(x_row, r_row, N, True), N, eps)
+        for start in tl.static_range(0, N, BLOCK):
+            cols = start + tl.arange(0, BLOCK)
+            ok = cols < N
+            s = row_values(x_row, r_row, cols, ok, True)
+            scale = 1.0 + tl.load(w + cols, mask=ok, other=0.0).to(tl.float32)
+            tl.store(summed + at * ss_m + cols, s.to(summed.dtype.element_ty), mask=ok)
+            tl.store(normed + at * sn_m + cols, (s * rinv * scale).to(normed.dtype.element_ty), mask=ok)
+
+
+def add_rms_norm_triton(
+    x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """The Triton kernel behind add_rms_norm (any device; CPU tensors run in Triton's interpreter)."""
+    n = x.shape[-1]
+    rows, res = x.reshape(-1, n), residual.reshape(-1, n)
+    if rows.stride(-1) != 1:
+        rows = rows.contiguous()
+    if res.stride(-1) != 1:
+        res = res.contiguous()
+    normed = torch.empty(rows.shape, dtype=x.dtype, device=x.device)
+    summed = torch.empty_like(normed)
+    block = min(next_power_of_2(n), 1024)
+    launch(_add_rms_norm_kernel, persistent_grid(x.device, rows.shape[0]), rows, res, weight, normed, summed,
+           rows.shape[0], rows.stride(0), res.stride(0), normed.stride(0), summed.stride(0), eps, N=n, BLOCK=block,
+           **exact_launch_options(x.device, num_warps=4 if n >= 1024 else 1))
+    return normed.view(x.shape), summed.view(x.shape)

@@ -24,7 +24,7 @@ from npuport.jsonfile import read_json_object
 from npuport.paths import file_inside, hub_cache_blobs
 from npuport.runtime.config import ModelConfig, load_config
 from npuport.runtime.linear import Linear, W8A8Linear
-from npuport.runtime.model import Experts, MoE, Qwen35
+from npuport.runtime.model import Experts, Qwen35
 
 LABELS = (FLOAT, W8A8_DYNAMIC)
 _MTP_LAYER = re.compile(r"^mtp\.layers\.(\d+)\.")
@@ -236,8 +236,6 @@ def load_model(path: Path | str, device: torch.device | str | None = None,
         if name not in tensors:
             tensors[name] = loader.float_tensor(name, tuple(param.shape))
     model.load_state_dict(tensors, strict=True, assign=True)
-    for module in model.modules():
-        if isinstance(module, MoE):
-            module.shared_expert.stack_gate_up()  # the expert kernels then run the shared expert too
+    model.stack_projections()
     return model.eval().requires_grad_(False)
 

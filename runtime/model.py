@@ -8,6 +8,7 @@ decode / verify step that stays staged until `commit_accepted`.
 
 from __future__ import annotations
 
+from collections.abc import Iterable
 from dataclasses import dataclass
 
 import torch
@@ -19,17 +20,14 @@ from npuport.errors import NpuportError
 from npuport.kernels.causal_conv1d import causal_conv1d_fn, causal_conv1d_update
 from npuport.kernels.fused_moe import StackedExperts, add_weighted_expert, fused_experts, route_top_k
 from npuport.kernels.gated_delta_rule import chunk_gated_delta_rule, fused_recurrent_gated_delta_rule
+from npuport.kernels.gated_rms_norm import gated_rms_norm
 from npuport.kernels.gdn_gating import fused_gdn_gating
-from npuport.kernels.rms_norm import rms_norm
+from npuport.kernels.rms_norm import add_rms_norm, rms_norm
+from npuport.kernels.rope import rms_norm_rope
 from npuport.runtime.config import FULL_ATTENTION, ModelConfig
 from npuport.runtime.dispatch import dispatch, int8_dispatch
-from npuport.runtime.linear import Linear, QuantizedActivation, W8A8Linear
+from npuport.runtime.linear import Linear, QuantizedActivation, StackedLinear, W8A8Linear, project, stack_linears
 from npuport.runtime.state import GDNState, KVCache, ModelState, new_mtp_state, new_target_state
-
-
-def _wide(x: torch.Tensor) -> torch.Tensor:
-    """x in fp32, or float64 if it is float64: where norms and softmaxes are computed."""
-    return x.to(torch.promote_types(x.dtype, torch.float32))
 
 
 @dataclass
@@ -55,15 +53,6 @@ def rope_tables(positions: torch.Tensor, config: ModelConfig, dtype: torch.dtype
     return angles.cos().to(dtype), angles.sin().to(dtype)
 
 
-def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """Rotate-half RoPE on the first rotary_dim dims of x [B, T, heads, head_dim]; the rest pass through."""
-    rot = cos.shape[-1]
-    xr, rest = x[..., :rot], x[..., rot:]
-    rotated = torch.cat([-xr[..., rot // 2 :], xr[..., : rot // 2]], dim=-1)
-    c, s = cos[:, :, None], sin[:, :, None]
-    return torch.cat([xr * c + rotated * s, rest], dim=-1)
-
-
 class RMSNorm(nn.Module):
     """y = x * rsqrt(mean(x^2) + eps) * (1 + w), in fp32 (the weight starts at zero)."""
 
@@ -75,6 +64,12 @@ class RMSNorm(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return rms_norm(x, self.weight, self.eps)
 
+    def add(self, x: torch.Tensor, residual: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
+        """(norm(x + residual), x + residual) in one launch; (norm(x), x) when residual is None."""
+        if residual is None:
+            return self(x), x
+        return add_rms_norm(x, residual, self.weight, self.eps)
+
 
 class GatedRMSNorm(nn.Module):
     """The GDN output norm: w * rmsnorm(o) * silu(z), with a plain weight w (not 1 + w)."""
@@ -85,9 +80,7 @@ class GatedRMSNorm(nn.Module):
         self.weight = nn.Parameter(torch.ones(dim), requires_grad=False)
 
     def forward(self, x: torch.Tensor, gate: torch.Tensor) -> torch.Tensor:
-        xf = _wide(x)
-        y = self.weight * (xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)).to(x.dtype)
-        return (y * F.silu(_wide(gate))).to(x.dtype)
+        return gated_rms_norm(x, gate, self.weight, self.eps)
 
 
 def attend(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, start: torch.Tensor) -> torch.Tensor:
@@ -131,13 +124,19 @@ class Attention(nn.Module):
         self.o_proj = Linear(self.n_heads * d, h)
         self.q_norm = RMSNorm(d, config.rms_norm_eps)
         self.k_norm = RMSNorm(d, config.rms_norm_eps)
+        self.qkv: StackedLinear | None = None  # q_proj, k_proj, v_proj as one GEMM once stack_projections ran
+
+    def stack_projections(self) -> None:
+        self.qkv = stack_linears([self.q_proj, self.k_proj, self.v_proj])
 
     def forward(self, x: torch.Tensor, cache: KVCache, step: Step) -> torch.Tensor:
         b, t, _ = x.shape
-        q, gate = self.q_proj(x).view(b, t, self.n_heads, 2 * self.head_dim).chunk(2, dim=-1)
-        q = apply_rope(self.q_norm(q), step.cos, step.sin)
-        k = apply_rope(self.k_norm(self.k_proj(x).view(b, t, self.n_kv_heads, self.head_dim)), step.cos, step.sin)
-        v = self.v_proj(x).view(b, t, self.n_kv_heads, self.head_dim)
+        q_gate, k, v = project(self.qkv, (self.q_proj, self.k_proj, self.v_proj), x)
+        q, gate = q_gate.view(b, t, self.n_heads, 2 * self.head_dim).chunk(2, dim=-1)
+        q = rms_norm_rope(q, self.q_norm.weight, self.q_norm.eps, step.cos, step.sin)
+        k = rms_norm_rope(k.view(b, t, self.n_kv_heads, self.head_dim), self.k_norm.weight, self.k_norm.eps,
+                          step.cos, step.sin)
+        v = v.view(b, t, self.n_kv_heads, self.head_dim)
         if step.static_shapes:
             keys, values = write_kv_static(cache, step.start, k, v)
         else:
@@ -167,10 +166,18 @@ class GatedDeltaNet(nn.Module):
         self.dt_bias = nn.Parameter(torch.ones(self.n_v_heads), requires_grad=False)
         self.norm = GatedRMSNorm(self.v_dim, config.rms_norm_eps)
         self.out_proj = Linear(self.n_v_heads * self.v_dim, h)
+        self.in_proj: StackedLinear | None = None  # the four input projections as one GEMM once stacked
+
+    def input_projections(self) -> tuple[Linear | W8A8Linear, ...]:
+        return self.in_proj_qkv, self.in_proj_z, self.in_proj_b, self.in_proj_a
+
+    def stack_projections(self) -> None:
+        self.in_proj = stack_linears(self.input_projections())
 
     def forward(self, x: torch.Tensor, state: GDNState, step: Step) -> torch.Tensor:
         b, t, _ = x.shape
-        mixed = self.in_proj_qkv(x)
+        # b_logits and a sit side by side in one stacked output: the recurrent kernel reads both with one stride
+        mixed, z, b_logits, a = project(self.in_proj, self.input_projections(), x)
         weight = self.conv1d.weight[:, 0]  # [conv_dim, W]
         if step.n_valid is None:
             if t > state.slots:
@@ -182,7 +189,6 @@ class GatedDeltaNet(nn.Module):
         q, k, v = mixed.split([key_width, key_width, self.n_v_heads * self.v_dim], dim=-1)
         q, k = q.reshape(b, t, self.n_k_heads, self.k_dim), k.reshape(b, t, self.n_k_heads, self.k_dim)
         v = v.reshape(b, t, self.n_v_heads, self.v_dim)
-        a, b_logits = self.in_proj_a(x), self.in_proj_b(x)
         if step.n_valid is None:
             # The gating is fused into the recurrent kernel: a and b go in raw.
             out = fused_recurrent_gated_delta_rule(q, k, v, a, b_logits, state.recurrent, state.log,
@@ -195,7 +201,7 @@ class GatedDeltaNet(nn.Module):
             g, beta = torch.where(real, g, 0.0), torch.where(real, beta, 0.0)
             out, final = chunk_gated_delta_rule(q, k, v, g, beta, state.current())
             state.set_current(final)
-        z = self.in_proj_z(x).view(b, t, self.n_v_heads, self.v_dim)
+        z = z.view(b, t, self.n_v_heads, self.v_dim)
         return self.out_proj(self.norm(out, z).reshape(b, t, -1))
 
 
@@ -207,34 +213,23 @@ class MLP(nn.Module):
         self.gate_proj = Linear(hidden, intermediate)
         self.up_proj = Linear(hidden, intermediate)
         self.down_proj = Linear(intermediate, hidden)
+        self.gate_up: StackedLinear | None = None  # gate_proj and up_proj as one GEMM once stacked
+
+    def stack_projections(self) -> None:
+        self.gate_up = stack_linears([self.gate_proj, self.up_proj])
 
     def forward(self, x: torch.Tensor | QuantizedActivation) -> torch.Tensor:
-        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
-
-    @torch.no_grad()
-    def stack_gate_up(self) -> None:
-        """Keep gate_proj and up_proj (weights, and scales for W8A8) in one [2I, ...] tensor, each layer's
-        weight a view of its half, so that as_expert() can hand the MLP to the expert kernels. Done once after
-        loading; the separate tensors are freed."""
-        gate, up = self.gate_proj, self.up_proj
-        for name in ("weight", "weight_scale"):
-            if not hasattr(gate, name):
-                continue
-            both = torch.cat([getattr(gate, name), getattr(up, name)])
-            half = both.shape[0] // 2
-            for module, part in ((gate, both[:half]), (up, both[half:])):
-                setattr(module, name, nn.Parameter(part, requires_grad=False) if name in module._parameters else part)
+        gate, up = project(self.gate_up, (self.gate_proj, self.up_proj), x)
+        return self.down_proj(F.silu(gate) * up)
 
     def as_expert(self) -> StackedExperts | None:
-        """The MLP as a single stacked expert (views, no copy) once stack_gate_up() ran, else None."""
-        gate, up, down = self.gate_proj.weight, self.up_proj.weight, self.down_proj.weight
-        if gate.data_ptr() + gate.numel() * gate.element_size() != up.data_ptr() or not gate.is_contiguous():
+        """The MLP as a single stacked expert (views, no copy) once stack_projections() ran, else None."""
+        if self.gate_up is None:
             return None
-        gate_up = gate.as_strided((1, 2 * gate.shape[0], gate.shape[1]), (0, gate.shape[1], 1))
-        if not isinstance(self.gate_proj, W8A8Linear):
-            return StackedExperts(gate_up, down[None])
-        scale = self.gate_proj.weight_scale
-        return StackedExperts(gate_up, down[None], scale.as_strided((1, 2 * scale.shape[0]), (0, 1)),
+        down = self.down_proj.weight
+        if self.gate_up.scale is None:
+            return StackedExperts(self.gate_up.weight[None], down[None])
+        return StackedExperts(self.gate_up.weight[None], down[None], self.gate_up.scale.reshape(1, -1),
                               self.down_proj.weight_scale.reshape(1, -1))
 
 
@@ -284,6 +279,10 @@ class MoE(nn.Module):
         self.experts = Experts(config.num_experts, h, config.moe_intermediate_size)
         self.shared_expert = MLP(h, config.shared_expert_intermediate_size)
         self.shared_expert_gate = Linear(h, 1)
+        self.router: StackedLinear | None = None  # gate and shared_expert_gate as one GEMM once stacked
+
+    def stack_projections(self) -> None:
+        self.router = stack_linears([self.gate, self.shared_expert_gate])
 
     @property
     def experts_quantized(self) -> bool:
@@ -292,10 +291,11 @@ class MoE(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         flat = x.reshape(-1, x.shape[-1])
-        weights, chosen = route_top_k(self.gate(flat), self.top_k, x.dtype)  # [M, top_k]
+        router_logits, shared_logit = project(self.router, (self.gate, self.shared_expert_gate), flat)
+        weights, chosen = route_top_k(router_logits, self.top_k, x.dtype)  # [M, top_k]
         tokens = QuantizedActivation.quantize(flat) if int8_dispatch(self.experts_quantized, self.name) else None
         routed = self.experts(flat, weights, chosen, tokens)
-        shared_weight = torch.sigmoid(self.shared_expert_gate(flat))  # [M, 1]
+        shared_weight = torch.sigmoid(shared_logit)  # [M, 1]
         shared = self.shared_expert.as_expert()
         if shared is None:
             return (routed + shared_weight * self.shared_expert(flat)).view(x.shape)
@@ -317,10 +317,30 @@ class DecoderLayer(nn.Module):
         self.input_layernorm = RMSNorm(h, config.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(h, config.rms_norm_eps)
 
-    def forward(self, x: torch.Tensor, state: KVCache | GDNState, step: Step) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, residual: torch.Tensor | None, state: KVCache | GDNState, step: Step
+                ) -> tuple[torch.Tensor, torch.Tensor]:
+        """x [B, T, hidden]: the previous layer's MLP output, residual: the stream it adds to (None for the
+        first layer, whose x is the stream). Returns (this layer's MLP output, the stream before it): their
+        sum is the layer's output. Each residual add is fused into the norm after it."""
         mixer = self.self_attn if self.kind == FULL_ATTENTION else self.linear_attn
-        x = x + mixer(self.input_layernorm(x), state, step)
-        return x + self.mlp(self.post_attention_layernorm(x))
+        normed, residual = self.input_layernorm.add(x, residual)
+        normed, residual = self.post_attention_layernorm.add(mixer(normed, state, step), residual)
+        return self.mlp(normed), residual
+
+
+def run_layers(layers: Iterable[DecoderLayer], states: Iterable[KVCache | GDNState], x: torch.Tensor, step: Step,
+               final_norm: RMSNorm, hidden_states: list[torch.Tensor] | None = None) -> torch.Tensor:
+    """x [B, T, hidden] through the layers and the final norm; hidden_states, if given, receives each layer's
+    input and the normed output."""
+    residual = None
+    for layer, state in zip(layers, states, strict=True):
+        if hidden_states is not None:
+            hidden_states.append(x if residual is None else x + residual)
+        x, residual = layer(x, residual, state, step)
+    x = final_norm.add(x, residual)[0]
+    if hidden_states is not None:
+        hidden_states.append(x)
+    return x
 
 
 class MTPHead(nn.Module):
@@ -340,9 +360,7 @@ class MTPHead(nn.Module):
 
     def forward(self, embeds: torch.Tensor, hidden: torch.Tensor, state: ModelState, step: Step) -> torch.Tensor:
         x = self.fc(torch.cat([self.pre_fc_norm_embedding(embeds), self.pre_fc_norm_hidden(hidden)], dim=-1))
-        for layer, cache in zip(self.layers, state.layers, strict=True):
-            x = layer(x, cache, step)
-        return self.norm(x)
+        return run_layers(self.layers, state.layers, x, step, self.norm)
 
 
 class Qwen35(nn.Module):
@@ -360,6 +378,14 @@ class Qwen35(nn.Module):
         self.norm = RMSNorm(h, config.rms_norm_eps)
         self.lm_head = None if config.tie_word_embeddings else Linear(h, config.vocab_size)
         self.mtp = MTPHead(config) if with_mtp else None
+
+    def stack_projections(self) -> None:
+        """Once, after loading, for inference: the linear layers that read the same input (attention's q/k/v,
+        the GDN input projections, an MLP's gate/up, a MoE router and its shared-expert gate) become one GEMM
+        each - fewer launches per step, and one quantization of the input where they are W8A8."""
+        for module in self.modules():
+            if isinstance(module, Attention | GatedDeltaNet | MLP | MoE):
+                module.stack_projections()
 
     @property
     def dtype(self) -> torch.dtype:
@@ -391,15 +417,7 @@ class Qwen35(nn.Module):
         given, receives what transformers' output_hidden_states gives: the embeddings, the outputs of
         layers 0..n-2 and the final normed hidden."""
         step = self.make_step(state.positions, tokens.shape[1], n_valid)
-        x = self.embed_tokens(tokens)
-        for layer, layer_state in zip(self.layers, state.layers, strict=True):
-            if hidden_states is not None:
-                hidden_states.append(x)
-            x = layer(x, layer_state, step)
-        x = self.norm(x)
-        if hidden_states is not None:
-            hidden_states.append(x)
-        return x
+        return run_layers(self.layers, state.layers, self.embed_tokens(tokens), step, self.norm, hidden_states)
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """[..., hidden] -> [..., vocab]."""

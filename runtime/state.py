@@ -84,6 +84,9 @@ class GDNState:
             return
         if self.log is not None:
             self.log.keep(n_new.clamp(0, self.staged))
+        if self.staged == 1:  # one staged token: every request keeps it (or has finished), the window stays
+            self.staged = 0
+            return
         # A request that keeps nothing (it has finished) shifts its window as if it kept one token: unused.
         keep = n_new.clamp(1, self.staged)
         width = self.conv.shape[-1]

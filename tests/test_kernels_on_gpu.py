@@ -45,8 +45,10 @@ from npuport.kernels.gated_delta_rule import (  # noqa: E402
     fused_recurrent_gated_delta_rule_reference,
     replay_pending,
 )
+from npuport.kernels.gated_rms_norm import gated_rms_norm, gated_rms_norm_reference  # noqa: E402
 from npuport.kernels.gdn_gating import fused_gdn_gating, fused_gdn_gating_reference  # noqa: E402
-from npuport.kernels.rms_norm import rms_norm, rms_norm_reference  # noqa: E402
+from npuport.kernels.rms_norm import add_rms_norm, add_rms_norm_reference, rms_norm, rms_norm_reference  # noqa: E402
+from npuport.kernels.rope import rms_norm_rope, rms_norm_rope_reference  # noqa: E402
 from npuport.kernels.w8a8 import (  # noqa: E402
     gemm_config,
     gemm_overlaps_quantization,
@@ -188,6 +190,35 @@ def test_rms_norm_at_real_sizes(shape):
     got, want = rms_norm(x, w, 1e-6), rms_norm_reference(x, w, 1e-6)
     assert rel(got, want) < 5e-3 and (got == want).float().mean().item() >= 0.98
     assert torch.equal(rms_norm(x.reshape(-1, shape[-1])[:1], w, 1e-6)[0], got.reshape(-1, shape[-1])[0])
+
+
+@pytest.mark.parametrize("rows", [1, 8, 512])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_fused_norms_on_the_gpu_equal_the_cpu_references_bit_for_bit(rows, dtype):
+    """add + RMSNorm at the hidden widths (2048, 5120), the gated GDN norm over 32 value heads of 128 and the
+    q/k norm + RoPE over heads of 256 rotating 64: the GPU kernels give the CPU references' bits exactly."""
+    gen = torch.Generator().manual_seed(rows)
+
+    def rand(*shape, scale=1.0):
+        return (scale * torch.randn(shape, generator=gen)).to(dtype)
+
+    def check(kernel, reference, *args):
+        got = kernel(*(a.to(CUDA) if isinstance(a, torch.Tensor) else a for a in args))
+        want = reference(*args)
+        for g, w in zip(got if isinstance(got, tuple) else (got,), want if isinstance(want, tuple) else (want,),
+                        strict=True):
+            assert torch.equal(g.cpu(), w), f"{kernel.__name__}: {int((g.cpu() != w).sum())} of {w.numel()} differ"
+
+    for hidden in (2048, 5120):
+        check(add_rms_norm, add_rms_norm_reference, rand(rows, hidden, scale=3), rand(rows, hidden, scale=3),
+              rand(hidden, scale=0.1), 1e-6)
+    stacked = rand(rows, 32 * 128 + 64, scale=3)  # the gate as a slice of a stacked projection
+    check(gated_rms_norm, gated_rms_norm_reference, rand(rows, 32, 128), stacked[:, 64:].view(rows, 32, 128),
+          rand(128, scale=0.1) + 1, 1e-6)
+    q_gate = rand(1, rows, 16, 512, scale=3)
+    angles = 4 * torch.randn(1, rows, 64, generator=gen)
+    check(rms_norm_rope, rms_norm_rope_reference, q_gate[..., :256], rand(256, scale=0.1), 1e-6,
+          angles.cos().to(dtype), angles.sin().to(dtype))
 
 
 @pytest.mark.parametrize("hv", [32, 48])

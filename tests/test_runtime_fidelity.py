@@ -89,7 +89,7 @@ def test_each_layer_matches_transformers_given_the_same_input(pair):
         n_valid = torch.full((2,), count) if is_prefill else None
         step = model.make_step(state.positions, count, n_valid)
         for i, (layer, layer_state) in enumerate(zip(model.layers, state.layers, strict=True)):
-            out = layer(hidden[i][:, begin : begin + count], layer_state, step)
+            out = sum(layer(hidden[i][:, begin : begin + count], None, layer_state, step))  # MLP output + stream
             if i == n - 1:
                 out = model.norm(out)
             worst = max(worst, (out - hidden[i + 1][:, begin : begin + count]).abs().max().item())

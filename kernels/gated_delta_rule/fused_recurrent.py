@@ -205,7 +205,8 @@ def fused_recurrent_gated_delta_rule_triton(
         if log.keys.shape[1:] != (b, slots, h, kd) or log.writes.shape[1:] != (b, slots, hv, vd) or not all(
                 x.is_contiguous() and x.dtype == torch.float32 for x in (log.keys, log.log_decay, log.writes)):
             raise ValueError("the verify log does not match the inputs (VerifyLog.empty makes one)")
-    g, beta = g.contiguous(), beta.contiguous()
+    if g.stride() != beta.stride() or g.stride(-1) != 1:  # the kernel reads both with g's strides
+        g, beta = g.contiguous(), beta.contiguous()
     out = torch.empty(b, t, hv, vd, dtype=v.dtype, device=v.device)
     cfg = config or recurrent_config(b * hv, t)
     bv = min(cfg.bv, next_power_of_2(vd))
