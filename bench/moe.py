@@ -38,7 +38,7 @@ from npuport.kernels.fused_moe import (
     route_top_k,
 )
 from npuport.runtime.config import ModelConfig
-from npuport.runtime.model import Experts, MoE
+from npuport.runtime.model import Experts, MoE, stack_projections
 
 
 def bench_module(name: str):
@@ -88,7 +88,7 @@ def our_layer(block, config: ModelConfig, quantized: bool) -> MoE:
         for name in ("gate_proj", "up_proj", "down_proj"):
             getattr(layer.shared_expert, name).weight.copy_(getattr(block.shared_expert, name).weight)
         gate_up, down = block.experts.gate_up_proj.data, block.experts.down_proj.data
-        layer.shared_expert.stack_gate_up()  # as the loader leaves it
+        stack_projections(layer)  # as the loader leaves it
         if not quantized:
             layer.experts.gate_up_proj.copy_(gate_up)
             layer.experts.down_proj.copy_(down)

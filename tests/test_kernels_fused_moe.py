@@ -195,3 +195,34 @@ def test_a_weighted_expert_added_to_a_base_equals_the_torch_sum(quantized):
     kernels = few_tokens_experts(*as_expert_input(x, expert), expert, ids, weight, torch.bfloat16,
                                  few_tokens_config(5), add_to=base)  # the path a GPU takes, interpreted here
     assert torch.equal(kernels, want)
+
+
+@pytest.mark.parametrize("quantized", [False, True], ids=["bf16", "w8a8"])
+@pytest.mark.parametrize(("m", "top_k", "experts", "kind"), [(1, 8, 256, "random"), (3, 4, 8, "same"),
+                                                             (7, 2, 4, "few"), (20, 8, 16, "random")])
+def test_the_shared_expert_rides_along_as_one_more_slot(monkeypatch, quantized, m, top_k, experts, kind):
+    """A GPU's path (CPU tensors counted as a Triton device, interpreted): the shared expert one more slot of
+    the mat-vec pipeline (few tokens), or beside the grouped GEMMs (m = 20: 160 routed pairs), against the loop
+    written out above plus the shared expert's own loop, all slots summed in fp32 and rounded once."""
+    import npuport.kernels.launch as launch_module
+    from npuport.kernels.fused_moe import routed_and_shared_experts
+
+    monkeypatch.setattr(launch_module, "runs_triton", lambda device: True)
+    gen = torch.Generator().manual_seed(m * top_k)
+    x = torch.randn(m, HIDDEN, generator=gen).bfloat16()
+    ids = routings(m, top_k, experts, kind, seed=m)
+    weights = torch.softmax(torch.randn(m, top_k, generator=gen), -1).bfloat16()
+    shared_weight = torch.rand(m, 1, generator=gen).bfloat16()
+    stacked, shared = random_experts(experts, quantized, seed=experts), random_experts(1, quantized, seed=99)
+    got = routed_and_shared_experts(x, stacked, weights, ids, shared, shared_weight)
+    # the independent loop: each slot's product rounded to bf16, then summed in fp32 with the shared slot
+    routed = torch.zeros(m, HIDDEN)
+    for t in range(m):
+        for s in range(top_k):
+            one = (slice(t, t + 1), slice(s, s + 1))
+            routed[t] += loop_over_experts(x[t : t + 1], stacked, weights[one], ids[one])[0].float()
+    own = loop_over_experts(x, shared, shared_weight, torch.zeros(m, 1, dtype=torch.long)).float()
+    torch.testing.assert_close(got.float(), (routed + own).bfloat16().float(), atol=2e-2, rtol=2e-2)
+    want = fused_experts_reference(x, stacked, weights, ids, shared=(shared, shared_weight))
+    torch.testing.assert_close(got.float(), want.float(), atol=1e-2, rtol=1e-2)
+    assert (got == want).float().mean() >= (0.98 if quantized else 0.9)

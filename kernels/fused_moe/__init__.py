@@ -4,7 +4,13 @@ per-expert PyTorch loop they are tested against (naive.py). Imports kernels.laun
 
 from npuport.kernels.fused_moe.experts import StackedExperts
 from npuport.kernels.fused_moe.few_tokens import FEW_TOKENS, FewTokensConfig, pair_gate_up, token_down
-from npuport.kernels.fused_moe.fused_experts import FEW_PAIRS, add_weighted_expert, fused_experts, fused_experts_triton
+from npuport.kernels.fused_moe.fused_experts import (
+    FEW_PAIRS,
+    add_weighted_expert,
+    fused_experts,
+    fused_experts_triton,
+    routed_and_shared_experts,
+)
 from npuport.kernels.fused_moe.grouped_gemm import GroupedConfig, grouped_config, grouped_gemm
 from npuport.kernels.fused_moe.naive import expert_mlp_reference, fused_experts_reference, sum_slots
 from npuport.kernels.fused_moe.routing import (
@@ -20,6 +26,7 @@ __all__ = [
     "FEW_PAIRS", "FEW_TOKENS", "BlockRouting", "FewTokensConfig", "GroupedConfig", "StackedExperts",
     "add_weighted_expert", "expert_mlp_reference", "fused_experts",
     "fused_experts_reference", "fused_experts_triton", "group_by_expert", "grouped_config", "grouped_gemm",
-    "max_blocks", "pair_gate_up", "route_top_k", "route_top_k_reference", "route_top_k_triton", "sum_slots",
+    "max_blocks", "pair_gate_up", "route_top_k",
+    "routed_and_shared_experts", "route_top_k_reference", "route_top_k_triton", "sum_slots",
     "token_down",
 ]

@@ -1,7 +1,8 @@
 """The expert MLP for few tokens (decode, verify, small batches), where grouping rows by expert costs more
 than it saves: one program per (routed pair, column tile) for gate/up, one per (token, column tile) for the
 down projection, which also sums the token's top-k slots in slot order - no sort, no padding, no atomics,
-and each token's result independent of the others in the batch."""
+and each token's result independent of the others in the batch. A MoE layer's shared expert can ride along as
+one more slot after the routed ones (shares_layout): no launches of its own."""
 
 from __future__ import annotations
 
@@ -9,6 +10,7 @@ from dataclasses import dataclass
 
 import torch
 
+from npuport.kernels.fused_moe.experts import StackedExperts
 from npuport.kernels.launch import jit, launch, launch_options, persistent_grid, tl
 
 
@@ -52,20 +54,25 @@ def _row_times_tile(a_row, w_rows, k0, K, n_ok, BK: tl.constexpr, INT8: tl.const
 
 # NPU budget: two weight tiles [32, 256] bf16 (2 x 16 KiB) and their fp32 products: under 64 KiB.
 @jit
-def _pair_gate_up_kernel(a, a_scale, w, w_scale, expert_ids, out, N, K, TOP_K, n_tasks, sa_m, sw_e, sw_n, sws_e,
-                         so_m, BN: tl.constexpr, BK: tl.constexpr, INT8: tl.constexpr):
-    """Task t = (pair p = t // tiles_n, column tile): out[p, n] = silu(gate) * up of token p // TOP_K through
-    expert expert_ids[p] (gate rows n, up rows N + n of w [E, 2N, K]), rounded as grouped_gemm's GATED
-    epilogue rounds."""
+def _pair_gate_up_kernel(a, a_scale, w, w_scale, shared_w, shared_scale, expert_ids, out, N, K, TOP_K, n_tasks,
+                         sa_m, sw_e, sw_n, sws_e, so_m, BN: tl.constexpr, BK: tl.constexpr, INT8: tl.constexpr,
+                         SHARED: tl.constexpr):
+    """Task t = (pair p = t // tiles_n, column tile): out[p, n] = silu(gate) * up of token p // SLOTS through
+    the expert of slot p % SLOTS (gate rows n, up rows N + n of w [E, 2N, K]), rounded as grouped_gemm's GATED
+    epilogue rounds. SLOTS = TOP_K routed slots (expert_ids [M, TOP_K]), plus, when SHARED, slot TOP_K: the
+    shared expert shared_w [2N, K] (same row stride as w)."""
     tiles_n = (N + BN - 1) // BN
+    slots = TOP_K + SHARED
     for task in range(tl.program_id(0), n_tasks, tl.num_programs(0)):
         p = task // tiles_n
-        token = p // TOP_K
-        expert = tl.load(expert_ids + p).to(tl.int64)
+        token, slot = p // slots, p % slots
         rn = task % tiles_n * BN + tl.arange(0, BN)
         n_ok = rn < N
         a_row = a + tl.cast(token, tl.int64) * sa_m
+        expert = tl.load(expert_ids + token * TOP_K + tl.minimum(slot, TOP_K - 1)).to(tl.int64)
         gate_rows = w + expert * sw_e + rn[:, None].to(tl.int64) * sw_n
+        if SHARED:
+            gate_rows = tl.where(slot == TOP_K, shared_w + rn[:, None].to(tl.int64) * sw_n, gate_rows)
         up_rows = gate_rows + tl.cast(N, tl.int64) * sw_n
         acc_type = tl.int32 if INT8 else tl.float32
         acc = tl.zeros([BN], dtype=acc_type)
@@ -76,9 +83,11 @@ def _pair_gate_up_kernel(a, a_scale, w, w_scale, expert_ids, out, N, K, TOP_K, n
         dt = out.dtype.element_ty
         if INT8:
             x_s = tl.load(a_scale + token)
-            w_s = w_scale + expert * sws_e
-            gate = (acc.to(tl.float32) * x_s * tl.load(w_s + rn, mask=n_ok, other=0.0)).to(dt)
-            up = (acc_up.to(tl.float32) * x_s * tl.load(w_s + N + rn, mask=n_ok, other=0.0)).to(dt)
+            w_s = w_scale + expert * sws_e + rn
+            if SHARED:
+                w_s = tl.where(slot == TOP_K, shared_scale + rn, w_s)
+            gate = (acc.to(tl.float32) * x_s * tl.load(w_s, mask=n_ok, other=0.0)).to(dt)
+            up = (acc_up.to(tl.float32) * x_s * tl.load(w_s + N, mask=n_ok, other=0.0)).to(dt)
         else:
             gate, up = acc.to(dt), acc_up.to(dt)
         g = gate.to(tl.float32)
@@ -88,14 +97,16 @@ def _pair_gate_up_kernel(a, a_scale, w, w_scale, expert_ids, out, N, K, TOP_K, n
 
 # NPU budget: one weight tile [16, 256] bf16 (8 KiB) and its fp32 products (16 KiB).
 @jit
-def _token_down_kernel(h, h_scale, w, w_scale, expert_ids, route_weight, add_to, out, N, K, TOP_K, n_tasks, sh_m,
-                       sw_e, sw_n, sws_e, so_m, BN: tl.constexpr, BK: tl.constexpr, INT8: tl.constexpr,
-                       ADD: tl.constexpr):
-    """Task t = (token m = t // tiles_n, column tile): out[m, n] = the sum over slots s = 0..TOP_K-1, in that
-    order and in fp32, of round(round(h[p] @ w[e, n]) * route_weight[p]) with p = m TOP_K + s, e = expert_ids[p]
-    (each product rounded to out's dtype as grouped_gemm's ROUTED epilogue rounds), starting from add_to[m, n]
-    when ADD (else 0), rounded once at the end."""
+def _token_down_kernel(h, h_scale, w, w_scale, shared_w, shared_scale, expert_ids, route_weight, shared_weight,
+                       add_to, out, N, K, TOP_K, n_tasks, sh_m, sw_e, sw_n, sws_e, so_m, BN: tl.constexpr,
+                       BK: tl.constexpr, INT8: tl.constexpr, ADD: tl.constexpr, SHARED: tl.constexpr):
+    """Task t = (token m = t // tiles_n, column tile): out[m, n] = the sum over slots s = 0..SLOTS-1, in that
+    order and in fp32, of round(round(h[p] @ w_s[n]) * weight_s) with p = m SLOTS + s (each product rounded to
+    out's dtype as grouped_gemm's ROUTED epilogue rounds), starting from add_to[m, n] when ADD (else 0),
+    rounded once at the end. Slots s < TOP_K: expert expert_ids[m, s] of w [E, N, K], weight route_weight[m, s];
+    slot TOP_K when SHARED: the shared expert shared_w [N, K] (w's row stride), weight shared_weight[m]."""
     tiles_n = (N + BN - 1) // BN
+    slots = TOP_K + SHARED
     dt = out.dtype.element_ty
     for task in range(tl.program_id(0), n_tasks, tl.num_programs(0)):
         m = task // tiles_n
@@ -104,56 +115,84 @@ def _token_down_kernel(h, h_scale, w, w_scale, expert_ids, route_weight, add_to,
         total = tl.zeros([BN], dtype=tl.float32)
         if ADD:
             total += tl.load(add_to + tl.cast(m, tl.int64) * so_m + rn, mask=n_ok, other=0.0).to(tl.float32)
-        for s in range(0, TOP_K):
-            p = m * TOP_K + s
-            expert = tl.load(expert_ids + p).to(tl.int64)
-            h_row = h + tl.cast(p, tl.int64) * sh_m
+        for s in range(0, slots):
+            p = m * slots + s
+            routed = m * TOP_K + tl.minimum(s, TOP_K - 1)
+            expert = tl.load(expert_ids + routed).to(tl.int64)
             w_rows = w + expert * sw_e + rn[:, None].to(tl.int64) * sw_n
+            weight = tl.load(route_weight + routed).to(tl.float32)
+            if SHARED:
+                w_rows = tl.where(s == TOP_K, shared_w + rn[:, None].to(tl.int64) * sw_n, w_rows)
+                weight = tl.where(s == TOP_K, tl.load(shared_weight + m).to(tl.float32), weight)
+            h_row = h + tl.cast(p, tl.int64) * sh_m
             acc = tl.zeros([BN], dtype=tl.int32 if INT8 else tl.float32)
             for k0 in range(0, K, BK):
                 acc += _row_times_tile(h_row, w_rows, k0, K, n_ok, BK, INT8)
             if INT8:
-                y = (acc.to(tl.float32) * tl.load(h_scale + p)
-                     * tl.load(w_scale + expert * sws_e + rn, mask=n_ok, other=0.0)).to(dt)
+                w_s = w_scale + expert * sws_e + rn
+                if SHARED:
+                    w_s = tl.where(s == TOP_K, shared_scale + rn, w_s)
+                y = (acc.to(tl.float32) * tl.load(h_scale + p) * tl.load(w_s, mask=n_ok, other=0.0)).to(dt)
             else:
                 y = acc.to(dt)
-            total += (y.to(tl.float32) * tl.load(route_weight + p).to(tl.float32)).to(dt).to(tl.float32)
+            total += (y.to(tl.float32) * weight).to(dt).to(tl.float32)
         tl.store(out + tl.cast(m, tl.int64) * so_m + rn, total.to(dt), mask=n_ok)
 
 
-def pair_gate_up(a: torch.Tensor, a_scale: torch.Tensor | None, w: torch.Tensor, w_scale: torch.Tensor | None,
-                 expert_ids: torch.Tensor, out_dtype: torch.dtype, config: FewTokensConfig = FEW_TOKENS
+def shares_layout(experts: StackedExperts, shared: StackedExperts) -> bool:
+    """Whether the kernels can run `shared` (one expert) as one more slot of `experts`: the same kind (BF16 or
+    int8), widths and row strides."""
+    pairs = ((shared.gate_up, experts.gate_up), (shared.down, experts.down))
+    return (shared.num_experts == 1 and shared.quantized == experts.quantized
+            and all(a.shape[1:] == b.shape[1:] and a.stride()[1:] == b.stride()[1:] == (b.shape[2], 1)
+                    for a, b in pairs))
+
+
+def pair_gate_up(a: torch.Tensor, a_scale: torch.Tensor | None, experts: StackedExperts, expert_ids: torch.Tensor,
+                 out_dtype: torch.dtype, config: FewTokensConfig = FEW_TOKENS, shared: StackedExperts | None = None
                  ) -> torch.Tensor:
-    """a [M, K] (bf16, or int8 with a_scale [M]); w [E, 2N, K] (w_scale [E, 2N] for int8); expert_ids
-    [M, top_k] -> [M * top_k, N]: silu(gate) * up of each routed pair (row token * top_k + slot)."""
+    """a [M, K] (bf16, or int8 with a_scale [M]); experts' gate_up [E, 2N, K] (gate_up_scale [E, 2N] for int8);
+    expert_ids [M, top_k] -> [M * slots, N]: silu(gate) * up of each routed pair (row token * slots + slot),
+    slots = top_k, or top_k + 1 with the shared expert (shares_layout) in the last slot."""
     m, top_k = expert_ids.shape
+    w, w_scale = experts.gate_up, experts.gate_up_scale
     n, k = w.shape[1] // 2, w.shape[2]
     int8 = w.dtype == torch.int8
-    out = torch.empty(m * top_k, n, dtype=out_dtype, device=a.device)
-    n_tasks = m * top_k * -(-n // config.gate_up_bn)
-    launch(_pair_gate_up_kernel, persistent_grid(a.device, n_tasks), a, a_scale, w, w_scale, expert_ids, out, n, k,
-           top_k, n_tasks, a.stride(0), w.stride(0), w.stride(1), w_scale.stride(0) if int8 else 0, out.stride(0),
-           BN=config.gate_up_bn, BK=config.bk, INT8=int8,
+    slots = top_k + (shared is not None)
+    expert_ids = expert_ids.contiguous()
+    out = torch.empty(m * slots, n, dtype=out_dtype, device=a.device)
+    n_tasks = m * slots * -(-n // config.gate_up_bn)
+    launch(_pair_gate_up_kernel, persistent_grid(a.device, n_tasks), a, a_scale, w, w_scale,
+           None if shared is None else shared.gate_up, None if shared is None else shared.gate_up_scale, expert_ids,
+           out, n, k, top_k, n_tasks, a.stride(0), w.stride(0), w.stride(1), w_scale.stride(0) if int8 else 0,
+           out.stride(0), BN=config.gate_up_bn, BK=config.bk, INT8=int8, SHARED=shared is not None,
            **launch_options(a.device, num_warps=config.num_warps, num_stages=config.num_stages))
     return out
 
 
-def token_down(h: torch.Tensor, h_scale: torch.Tensor | None, w: torch.Tensor, w_scale: torch.Tensor | None,
-               expert_ids: torch.Tensor, route_weight: torch.Tensor, out_dtype: torch.dtype,
-               config: FewTokensConfig = FEW_TOKENS, add_to: torch.Tensor | None = None) -> torch.Tensor:
-    """h [M * top_k, K] (bf16, or int8 with h_scale [M * top_k]); w [E, N, K]; expert_ids, route_weight
-    [M, top_k] -> [M, N]: each token's routed outputs weighted and summed over its slots, added to add_to
-    [M, N] (contiguous, out_dtype) when given."""
+def token_down(h: torch.Tensor, h_scale: torch.Tensor | None, experts: StackedExperts, expert_ids: torch.Tensor,
+               route_weight: torch.Tensor, out_dtype: torch.dtype, config: FewTokensConfig = FEW_TOKENS,
+               add_to: torch.Tensor | None = None, shared: StackedExperts | None = None,
+               shared_weight: torch.Tensor | None = None) -> torch.Tensor:
+    """h [M * slots, K] (bf16, or int8 with h_scale [M * slots]); experts' down [E, N, K]; expert_ids,
+    route_weight [M, top_k] -> [M, N]: each token's expert outputs weighted and summed over its slots - the
+    shared expert's, weighted by shared_weight [M, 1], last when given - added to add_to [M, N] (contiguous,
+    out_dtype) when given."""
     m, top_k = expert_ids.shape
+    w, w_scale = experts.down, experts.down_scale
     n, k = w.shape[1], w.shape[2]
     int8 = w.dtype == torch.int8
     out = torch.empty(m, n, dtype=out_dtype, device=h.device)
     n_tasks = m * -(-n // config.down_bn)
     if add_to is not None and (add_to.shape != out.shape or add_to.stride() != out.stride()):
         raise ValueError(f"add_to must be a contiguous {tuple(out.shape)} tensor, got {tuple(add_to.shape)}")
-    launch(_token_down_kernel, persistent_grid(h.device, n_tasks), h, h_scale, w, w_scale, expert_ids,
-           route_weight, add_to, out, n, k, top_k, n_tasks, h.stride(0), w.stride(0), w.stride(1),
+    if shared_weight is not None and shared_weight.numel() != m:
+        raise ValueError(f"shared_weight must hold one weight per token ({m}), got {shared_weight.numel()}")
+    route_weight, expert_ids = route_weight.contiguous(), expert_ids.contiguous()
+    launch(_token_down_kernel, persistent_grid(h.device, n_tasks), h, h_scale, w, w_scale,
+           None if shared is None else shared.down, None if shared is None else shared.down_scale, expert_ids,
+           route_weight, shared_weight, add_to, out, n, k, top_k, n_tasks, h.stride(0), w.stride(0), w.stride(1),
            w_scale.stride(0) if int8 else 0, out.stride(0), BN=config.down_bn, BK=config.bk, INT8=int8,
-           ADD=add_to is not None,
+           ADD=add_to is not None, SHARED=shared is not None,
            **launch_options(h.device, num_warps=config.num_warps, num_stages=config.num_stages))
     return out

@@ -9,7 +9,13 @@ from __future__ import annotations
 import torch
 
 from npuport.kernels.fused_moe.experts import StackedExperts
-from npuport.kernels.fused_moe.few_tokens import FewTokensConfig, few_tokens_config, pair_gate_up, token_down
+from npuport.kernels.fused_moe.few_tokens import (
+    FewTokensConfig,
+    few_tokens_config,
+    pair_gate_up,
+    shares_layout,
+    token_down,
+)
 from npuport.kernels.fused_moe.grouped_gemm import GroupedConfig, grouped_config, grouped_gemm
 from npuport.kernels.fused_moe.naive import expert_mlp_reference, fused_experts_reference, sum_slots
 from npuport.kernels.fused_moe.routing import group_by_expert
@@ -36,25 +42,34 @@ FEW_PAIRS = 128
 def fused_experts_triton(x: torch.Tensor, experts: StackedExperts, weights: torch.Tensor, expert_ids: torch.Tensor,
                          x_int8: tuple[torch.Tensor, torch.Tensor] | None = None,
                          config: GroupedConfig | None = None, few_pairs: int = FEW_PAIRS,
-                         few_config: FewTokensConfig | None = None) -> torch.Tensor:
+                         few_config: FewTokensConfig | None = None,
+                         shared: tuple[StackedExperts, torch.Tensor] | None = None) -> torch.Tensor:
     """The Triton kernels behind fused_experts (any device; CPU tensors run in Triton's interpreter); the
-    mat-vec kernels (with few_config) up to few_pairs routed pairs, the grouped GEMMs (with `config`) beyond."""
+    mat-vec kernels (with few_config) up to few_pairs routed pairs, the grouped GEMMs (with `config`) beyond.
+    shared = (one expert of the routed ones' layout (shares_layout), weight [M, 1]): that expert as one more
+    slot after the routed ones, summed with them and rounded once (fused_experts_reference's `shared`) - in
+    the mat-vec kernels, or beside the grouped GEMMs."""
     m, top_k = expert_ids.shape
     if x_int8 is not None and experts.quantized:
         tokens, token_scales = x_int8[0], x_int8[1].reshape(-1)
     else:
         tokens, token_scales = as_expert_input(x, experts)
     if m * top_k <= few_pairs:
+        slots = top_k + (shared is not None)
         return few_tokens_experts(tokens, token_scales, experts, expert_ids, weights, x.dtype,
-                                  few_config or few_tokens_config(m * top_k))
+                                  few_config or few_tokens_config(m * slots),
+                                  shared=None if shared is None else shared[0],
+                                  shared_weight=None if shared is None else shared[1].reshape(m, 1))
     cfg = config or grouped_config(m * top_k, experts.num_experts, x.device)
     routing = group_by_expert(expert_ids, experts.num_experts, cfg.block)
     h = grouped_gemm(tokens, token_scales, experts.gate_up, experts.gate_up_scale, routing, top_k, x.dtype, cfg,
                      gated=True)
     h, h_scales = as_expert_input(h, experts)
     y = grouped_gemm(h, h_scales, experts.down, experts.down_scale, routing, 1, x.dtype, cfg,
-                     route_weight=weights.reshape(-1))
-    return sum_slots(y.view(m, top_k, -1))
+                     route_weight=weights.reshape(-1)).view(m, top_k, -1)
+    if shared is not None:
+        y = torch.cat([y, (expert_mlp_reference(x, shared[0], 0) * shared[1])[:, None]], dim=1)
+    return sum_slots(y)
 
 
 def as_expert_input(x: torch.Tensor, experts: StackedExperts) -> tuple[torch.Tensor, torch.Tensor | None]:
@@ -67,13 +82,16 @@ def as_expert_input(x: torch.Tensor, experts: StackedExperts) -> tuple[torch.Ten
 
 def few_tokens_experts(tokens: torch.Tensor, token_scales: torch.Tensor | None, experts: StackedExperts,
                        expert_ids: torch.Tensor, weights: torch.Tensor, out_dtype: torch.dtype,
-                       config: FewTokensConfig, add_to: torch.Tensor | None = None) -> torch.Tensor:
+                       config: FewTokensConfig, add_to: torch.Tensor | None = None,
+                       shared: StackedExperts | None = None, shared_weight: torch.Tensor | None = None
+                       ) -> torch.Tensor:
     """The mat-vec path: tokens [M, H] (as_expert_input's form), expert_ids and weights [M, top_k] -> [M, H] in
-    out_dtype, each token's weighted expert outputs summed in slot order (onto add_to [M, H] when given)."""
-    h = pair_gate_up(tokens, token_scales, experts.gate_up, experts.gate_up_scale, expert_ids, out_dtype, config)
+    out_dtype, each token's weighted expert outputs summed in slot order (onto add_to [M, H] when given); with
+    `shared` (shares_layout) and shared_weight [M, 1], the shared expert as one more slot after the routed ones."""
+    h = pair_gate_up(tokens, token_scales, experts, expert_ids, out_dtype, config, shared=shared)
     h, h_scales = as_expert_input(h, experts)
-    return token_down(h, h_scales, experts.down, experts.down_scale, expert_ids, weights, out_dtype, config,
-                      add_to=add_to)
+    return token_down(h, h_scales, experts, expert_ids, weights, out_dtype, config, add_to=add_to, shared=shared,
+                      shared_weight=shared_weight)
 
 
 def add_weighted_expert(x: torch.Tensor, expert: StackedExperts, weight: torch.Tensor, base: torch.Tensor
@@ -88,3 +106,16 @@ def add_weighted_expert(x: torch.Tensor, expert: StackedExperts, weight: torch.T
     ids = torch.zeros(m, 1, dtype=torch.int64, device=x.device)
     return few_tokens_experts(*as_expert_input(x, expert), expert, ids, weight.reshape(m, 1), x.dtype,
                               few_tokens_config(m), add_to=base.contiguous())
+
+
+def routed_and_shared_experts(x: torch.Tensor, experts: StackedExperts, weights: torch.Tensor,
+                              expert_ids: torch.Tensor, shared: StackedExperts, shared_weight: torch.Tensor,
+                              x_int8: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
+    """A MoE layer's experts: fused_experts(x, experts, weights, expert_ids, x_int8) + shared_weight [M, 1] *
+    shared(x) -> [M, H]. On a GPU or NPU, with a shared expert of the routed ones' layout, the shared expert is
+    one more slot (fused_experts_triton's `shared`: for few tokens no launches of its own), the same sum for
+    every M - a decode step and a verify step round alike; otherwise the routed sum rounded, then
+    add_weighted_expert."""
+    if use_triton(x) and shares_layout(experts, shared):
+        return fused_experts_triton(x, experts, weights, expert_ids, x_int8, shared=(shared, shared_weight))
+    return add_weighted_expert(x, shared, shared_weight, fused_experts(x, experts, weights, expert_ids, x_int8))

@@ -32,14 +32,18 @@ def expert_mlp_reference(x: torch.Tensor, experts: StackedExperts, e: int) -> to
 
 
 def fused_experts_reference(x: torch.Tensor, experts: StackedExperts, weights: torch.Tensor,
-                            expert_ids: torch.Tensor) -> torch.Tensor:
+                            expert_ids: torch.Tensor, shared: tuple[StackedExperts, torch.Tensor] | None = None
+                            ) -> torch.Tensor:
     """x [M, H]; weights [M, top_k] (x's dtype); expert_ids [M, top_k] -> [M, H] in x's dtype: for each token the
-    sum over its slots of weight * expert output (each product rounded to x's dtype), see sum_slots."""
+    sum over its slots of weight * expert output (each product rounded to x's dtype), see sum_slots. shared =
+    (one expert, weight [M, 1]): that expert as one more slot after the routed ones."""
     m, top_k = expert_ids.shape
-    per_slot = torch.zeros(m, top_k, x.shape[1], dtype=x.dtype, device=x.device)
+    per_slot = torch.zeros(m, top_k + (shared is not None), x.shape[1], dtype=x.dtype, device=x.device)
     for e in expert_ids.unique().tolist():
         rows, slots = (expert_ids == e).nonzero(as_tuple=True)
         per_slot[rows, slots] = expert_mlp_reference(x[rows], experts, e) * weights[rows, slots, None]
+    if shared is not None:
+        per_slot[:, top_k] = expert_mlp_reference(x, shared[0], 0) * shared[1]
     return sum_slots(per_slot)
 
 
