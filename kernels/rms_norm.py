@@ -3,9 +3,9 @@ inputs), rounded once to x's dtype - one Triton launch per call instead of the h
 reduction kernels of the PyTorch version beside it. Rows are independent: a row's result does not depend on
 how many rows are in the call.
 
-add_rms_norm fuses the residual add in front of it, and sum_of_squares / inverse_rms are the row statistic of
-the fused norms (here, gated_rms_norm.py, rope.py): fp32 sums added in the order of PyTorch's CPU sum, so that
-those kernels equal their references bit for bit."""
+add_rms_norm fuses the residual add in front of it, the same way. sum_of_squares / inverse_rms are the row
+statistic of the bit-exact fused norms (gated_rms_norm.py, rope.py): fp32 sums added in the order of PyTorch's
+CPU sum, so that those kernels equal their references bit for bit."""
 
 from __future__ import annotations
 
@@ -60,8 +60,7 @@ def add_rms_norm(
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """x, residual [..., N] of one dtype, weight [N] (zero-centred) -> (rms_norm(x + residual), x + residual),
     both [..., N] in x's dtype; the sum is rounded to that dtype before it is normalised (as PyTorch adds)."""
-    if (use_triton(x, residual, weight) and x.dtype == residual.dtype and x.shape == residual.shape
-            and x.shape[-1] >= SUM_LANES):
+    if use_triton(x, residual, weight) and x.dtype == residual.dtype and x.shape == residual.shape:
         return add_rms_norm_triton(x, residual, weight, eps)
     return add_rms_norm_reference(x, residual, weight, eps)
 
@@ -84,12 +83,9 @@ SUM_LANES = 8
 
 
 @jit
-def row_values(x, r, offs, ok, HAS_RESIDUAL: tl.constexpr):
-    """fp32 values of a row at offs: x's, or x + r rounded to x's dtype (as PyTorch adds two tensors)."""
-    v = tl.load(x + offs, mask=ok, other=0.0).to(tl.float32)
-    if HAS_RESIDUAL:
-        v = (v + tl.load(r + offs, mask=ok, other=0.0).to(tl.float32)).to(x.dtype.element_ty).to(tl.float32)
-    return v
+def row_values(x, offs, ok):
+    """fp32 values of a row at offs."""
+    return tl.load(x + offs, mask=ok, other=0.0).to(tl.float32)
 
 
 @jit
@@ -99,8 +95,8 @@ def _pick(v, index, i):
 
 
 @jit
-def sum_of_squares(x, r, N: tl.constexpr, HAS_RESIDUAL: tl.constexpr):
-    """The fp32 sum of squares of one row of N >= 8 values (row_values(x, r, ...)), in PyTorch's CPU order."""
+def sum_of_squares(x, N: tl.constexpr):
+    """The fp32 sum of squares of one row of N >= 8 values at x, in PyTorch's CPU order."""
     STEPS: tl.constexpr = N // 32
     BLOCKS: tl.constexpr = STEPS // 16
     vec = tl.arange(0, 4)[:, None]
@@ -114,7 +110,7 @@ def sum_of_squares(x, r, N: tl.constexpr, HAS_RESIDUAL: tl.constexpr):
     for block in tl.static_range(BLOCKS):
         acc0 = tl.zeros([4, 8], dtype=tl.float32)
         for j in tl.static_range(16):
-            v = row_values(x, r, (block * 16 + j) * 32 + step, step_ok, HAS_RESIDUAL)
+            v = row_values(x, (block * 16 + j) * 32 + step, step_ok)
             acc0 += v * v
         acc1 += acc0
         if (block + 1) % 16 == 0:  # every 16 blocks acc1 moves into acc2, every 256 acc2 into acc3
@@ -125,21 +121,21 @@ def sum_of_squares(x, r, N: tl.constexpr, HAS_RESIDUAL: tl.constexpr):
                 acc2 = tl.zeros([4, 8], dtype=tl.float32)
     acc0 = tl.zeros([4, 8], dtype=tl.float32)
     for j in tl.static_range(BLOCKS * 16, STEPS):
-        v = row_values(x, r, j * 32 + step, step_ok, HAS_RESIDUAL)
+        v = row_values(x, j * 32 + step, step_ok)
         acc0 += v * v
     acc0 = acc0 + acc1
     acc0 = acc0 + acc2
     acc0 = acc0 + acc3
     partial = _pick(acc0, vec, 0)  # [8]
     for j in tl.static_range(STEPS * 4, N // 8):  # the 0-3 whole vectors after the last step
-        v = row_values(x, r, j * 8 + lane, lane < 8, HAS_RESIDUAL)
+        v = row_values(x, j * 8 + lane, lane < 8)
         partial += v * v
     partial = partial + _pick(acc0, vec, 1)
     partial = partial + _pick(acc0, vec, 2)
     partial = partial + _pick(acc0, vec, 3)
     total = 0.0
     if N % 8 != 0:
-        v = row_values(x, r, (N // 8) * 8 + lane, lane < N % 8, HAS_RESIDUAL)
+        v = row_values(x, (N // 8) * 8 + lane, lane < N % 8)
         tail = v * v
         for j in tl.static_range(N % 8):
             total += _pick(tail, lane, j)
@@ -162,28 +158,29 @@ def exact_launch_options(device: torch.device, num_warps: int) -> dict:
     return launch_options(device, num_warps=num_warps) | ({"enable_fp_fusion": False} if is_gpu(device) else {})
 
 
-# NPU budget: a chunk of up to 1024 columns of x, residual, weight, both outputs in fp32 (20 KiB) and the
-# [4, 8] accumulators of the sum.
+# NPU budget: one row of up to 8192 values of x, residual and weight in fp32: 96 KiB at N = 8192, 60 KiB at 5120.
 @jit
-def _add_rms_norm_kernel(x, res, w, normed, summed, M, sx_m, sr_m, sn_m, ss_m, eps, N: tl.constexpr,
-                         BLOCK: tl.constexpr):
+def _add_rms_norm_kernel(x, res, w, normed, summed, M, N, sx_m, sr_m, sn_m, ss_m, eps, BN: tl.constexpr):
+    cols = tl.arange(0, BN)
+    ok = cols < N
+    scale = 1.0 + tl.load(w + cols, mask=ok, other=0.0).to(tl.float32)
     for row in range(tl.program_id(0), M, tl.num_programs(0)):
         at = tl.cast(row, tl.int64)
-        x_row, r_row = x + at * sx_m, res + at * sr_m
-        rinv = inverse_rms(sum_of_squares(x_row, r_row, N, True), N, eps)
-        for start in tl.static_range(0, N, BLOCK):
-            cols = start + tl.arange(0, BLOCK)
-            ok = cols < N
-            s = row_values(x_row, r_row, cols, ok, True)
-            scale = 1.0 + tl.load(w + cols, mask=ok, other=0.0).to(tl.float32)
-            tl.store(summed + at * ss_m + cols, s.to(summed.dtype.element_ty), mask=ok)
-            tl.store(normed + at * sn_m + cols, (s * rinv * scale).to(normed.dtype.element_ty), mask=ok)
+        s = (tl.load(x + at * sx_m + cols, mask=ok, other=0.0).to(tl.float32)
+             + tl.load(res + at * sr_m + cols, mask=ok, other=0.0).to(tl.float32))
+        s = s.to(summed.dtype.element_ty)  # rounded as PyTorch's add rounds it, before it is normalised
+        tl.store(summed + at * ss_m + cols, s, mask=ok)
+        sf = s.to(tl.float32)
+        y = sf * tl.rsqrt(tl.sum(sf * sf, 0) / N + eps)
+        tl.store(normed + at * sn_m + cols, (y * scale).to(normed.dtype.element_ty), mask=ok)
 
 
 def add_rms_norm_triton(
     x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """The Triton kernel behind add_rms_norm (any device; CPU tensors run in Triton's interpreter)."""
+    """The Triton kernel behind add_rms_norm (any device; CPU tensors run in Triton's interpreter): one pass
+    over each row, its sum of squares a tree sum like rms_norm_triton's (within fp32 rounding of the reference,
+    the same whatever the other rows; the exact-order sum of sum_of_squares took 2-4x longer on an H100)."""
     n = x.shape[-1]
     rows, res = x.reshape(-1, n), residual.reshape(-1, n)
     if rows.stride(-1) != 1:
@@ -192,8 +189,8 @@ def add_rms_norm_triton(
         res = res.contiguous()
     normed = torch.empty(rows.shape, dtype=x.dtype, device=x.device)
     summed = torch.empty_like(normed)
-    block = min(next_power_of_2(n), 1024)
+    block = next_power_of_2(n)
     launch(_add_rms_norm_kernel, persistent_grid(x.device, rows.shape[0]), rows, res, weight, normed, summed,
-           rows.shape[0], rows.stride(0), res.stride(0), normed.stride(0), summed.stride(0), eps, N=n, BLOCK=block,
-           **exact_launch_options(x.device, num_warps=4 if n >= 1024 else 1))
+           rows.shape[0], n, rows.stride(0), res.stride(0), normed.stride(0), summed.stride(0), eps, BN=block,
+           **launch_options(x.device, num_warps=8 if block >= 4096 else 4 if block >= 1024 else 1))
     return normed.view(x.shape), summed.view(x.shape)

@@ -1,6 +1,7 @@
 """The fused norms' Triton kernels (add + RMSNorm, the gated GDN output norm, per-head RMSNorm + RoPE) against
-their PyTorch references, through Triton's interpreter: bit for bit, torch.equal, in bf16 and float32 - the
-kernels add the sum of squares in the order of PyTorch's CPU sum and compute exp as its vectorized silu does.
+their PyTorch references, through Triton's interpreter. The gated norm and the q/k norm + RoPE bit for bit,
+torch.equal, in bf16 and float32 - they add the sum of squares in the order of PyTorch's CPU sum and compute exp
+as its vectorized silu does; add + RMSNorm (a tree sum, for speed) its sum exactly and its norm within rounding.
 
 The gated norm's rows are multiples of 32 values: PyTorch's CPU silu takes glibc's expf, not SLEEF's, for the
 last (count mod 32) values of a contiguous run, so in float32 the reference itself gives other bits for the
@@ -29,9 +30,20 @@ def random(gen: torch.Generator, *shape: int, scale: float = 1.0, dtype: torch.d
     return (scale * torch.randn(shape, generator=gen)).to(dtype)
 
 
-@pytest.mark.parametrize("rows, n", [(1, 32), (3, 64), (17, 128), (3, 48), (2, 2048)])
+def assert_normed_close(got: torch.Tensor, want: torch.Tensor) -> None:
+    """add_rms_norm's normalised output: a tree sum, so within fp32 rounding of the reference (float32), or
+    the same bf16 value but for a rare rounding-boundary neighbour (bf16)."""
+    if got.dtype == torch.float32:
+        torch.testing.assert_close(got, want, rtol=2e-6, atol=2e-6)
+    else:
+        assert (got == want).float().mean() >= 0.99
+        torch.testing.assert_close(got.float(), want.float(), rtol=8e-3, atol=8e-3)
+
+
+@pytest.mark.parametrize("rows, n", [(1, 32), (3, 64), (17, 128), (3, 48), (2, 2048), (1, 5)])
 @pytest.mark.parametrize("dtype", DTYPES)
-def test_add_rms_norm_kernel_equals_the_reference_bit_for_bit(rows, n, dtype):
+def test_add_rms_norm_kernel_equals_the_reference(rows, n, dtype):
+    """The sum exactly (one rounding, as PyTorch adds), the norm within rounding; each row the same alone."""
     gen = torch.Generator().manual_seed(rows * n)
     x, residual = random(gen, rows, n, scale=3, dtype=dtype), random(gen, rows, n, scale=3, dtype=dtype)
     w = random(gen, n, scale=0.1, dtype=dtype)
@@ -39,7 +51,9 @@ def test_add_rms_norm_kernel_equals_the_reference_bit_for_bit(rows, n, dtype):
                                                     add_rms_norm_reference(x, residual, w, EPS))
     assert normed.dtype == summed.dtype == dtype and normed.shape == summed.shape == x.shape
     assert torch.equal(summed, want_summed)
-    assert torch.equal(normed, want_normed)
+    assert_normed_close(normed, want_normed)
+    alone = add_rms_norm_triton(x[-1:], residual[-1:], w, EPS)
+    assert torch.equal(alone[0], normed[-1:]) and torch.equal(alone[1], summed[-1:])
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
@@ -49,7 +63,8 @@ def test_add_rms_norm_takes_strided_rows(dtype):
     residual = random(gen, 3, 2, 64, scale=3, dtype=dtype).transpose(0, 1)
     w = random(gen, 64, scale=0.1, dtype=dtype)
     got, want = add_rms_norm_triton(x, residual, w, EPS), add_rms_norm_reference(x, residual, w, EPS)
-    assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[1])
+    assert torch.equal(got[1], want[1])
+    assert_normed_close(got[0], want[0])
 
 
 # Value heads of 32 to 128 dims; 96 is the width that is not a power of two (see the module docstring).
@@ -100,7 +115,8 @@ def test_float16_takes_the_same_roundings():
     x, r, w = (random(gen, 3, 48, scale=3, dtype=torch.float16), random(gen, 3, 48, scale=3, dtype=torch.float16),
                random(gen, 48, scale=0.1, dtype=torch.float16))
     got, want = add_rms_norm_triton(x, r, w, EPS), add_rms_norm_reference(x, r, w, EPS)
-    assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[1])
+    assert torch.equal(got[1], want[1])
+    torch.testing.assert_close(got[0].float(), want[0].float(), rtol=2e-3, atol=2e-3)
     gate = random(gen, 3, 48, scale=3, dtype=torch.float16)
     assert torch.equal(gated_rms_norm_triton(x, gate, w + 1, EPS), gated_rms_norm_reference(x, gate, w + 1, EPS))
     q = x.view(1, 3, 1, 48)
@@ -121,7 +137,11 @@ def test_the_dispatchers_take_the_kernels_except_for_float64(monkeypatch, dtype,
     gen = torch.Generator().manual_seed(4)
     x, r, w = random(gen, 2, 32, dtype=dtype), random(gen, 2, 32, dtype=dtype), random(gen, 32, scale=0.1, dtype=dtype)
     got, want = add_rms_norm(x, r, w, EPS), add_rms_norm_reference(x, r, w, EPS)
-    assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[1])
+    assert torch.equal(got[1], want[1])
+    if takes_the_kernel:
+        assert_normed_close(got[0], want[0])
+    else:
+        assert torch.equal(got[0], want[0])
     assert torch.equal(gated_rms_norm(x, r, w, EPS), gated_rms_norm_reference(x, r, w, EPS))
     q, cos, sin = x.view(1, 2, 1, 32), random(gen, 1, 2, 8, dtype=dtype), random(gen, 1, 2, 8, dtype=dtype)
     assert torch.equal(rms_norm_rope(q, w, EPS, cos, sin), rms_norm_rope_reference(q, w, EPS, cos, sin))
