@@ -29,30 +29,49 @@ def rms_norm_reference(x: torch.Tensor, weight: torch.Tensor, eps: float) -> tor
     return (y * (1.0 + weight.to(wide))).to(x.dtype)
 
 
-# NPU budget: one row of up to 8192 values in fp32 and the weight: 64 KiB at N = 8192, 40 KiB at 5120.
+# NPU budget: one row of up to 8192 values of x, the residual (when added) and the weight in fp32: 96 KiB at
+# N = 8192, 60 KiB at 5120.
 @jit
-def _rms_norm_kernel(x, w, out, M, N, sx_m, so_m, eps, BN: tl.constexpr):
+def _rms_norm_kernel(x, res, w, out, summed, M, N, sx_m, sr_m, so_m, ss_m, eps, BN: tl.constexpr,
+                     HAS_RESIDUAL: tl.constexpr):
+    """Per row: out = rms_norm(x) - or, HAS_RESIDUAL, summed = x + res rounded to summed's dtype (as PyTorch
+    adds) and out = rms_norm(summed). A tree sum over the whole row, one pass."""
     cols = tl.arange(0, BN)
     ok = cols < N
     scale = 1.0 + tl.load(w + cols, mask=ok, other=0.0).to(tl.float32)
     for row in range(tl.program_id(0), M, tl.num_programs(0)):
-        xf = tl.load(x + tl.cast(row, tl.int64) * sx_m + cols, mask=ok, other=0.0).to(tl.float32)
+        at = tl.cast(row, tl.int64)
+        xf = tl.load(x + at * sx_m + cols, mask=ok, other=0.0).to(tl.float32)
+        if HAS_RESIDUAL:
+            s = (xf + tl.load(res + at * sr_m + cols, mask=ok, other=0.0).to(tl.float32)).to(summed.dtype.element_ty)
+            tl.store(summed + at * ss_m + cols, s, mask=ok)
+            xf = s.to(tl.float32)
         y = xf * tl.rsqrt(tl.sum(xf * xf, 0) / N + eps)
-        tl.store(out + tl.cast(row, tl.int64) * so_m + cols, (y * scale).to(out.dtype.element_ty), mask=ok)
+        tl.store(out + at * so_m + cols, (y * scale).to(out.dtype.element_ty), mask=ok)
+
+
+def _rms_norm_rows(x: torch.Tensor, residual: torch.Tensor | None, weight: torch.Tensor, eps: float
+                   ) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """_rms_norm_kernel over the rows of x [..., N] (and residual, when given): (normed, summed or None)."""
+    n = x.shape[-1]
+    rows = x.reshape(-1, n)
+    rows = rows if rows.stride(-1) == 1 else rows.contiguous()
+    res = None if residual is None else residual.reshape(-1, n)
+    if res is not None and res.stride(-1) != 1:
+        res = res.contiguous()
+    out = torch.empty(rows.shape, dtype=x.dtype, device=x.device)
+    summed = None if res is None else torch.empty_like(out)
+    block = next_power_of_2(n)
+    launch(_rms_norm_kernel, persistent_grid(x.device, rows.shape[0]), rows, res, weight, out, summed,
+           rows.shape[0], n, rows.stride(0), 0 if res is None else res.stride(0), out.stride(0),
+           0 if summed is None else summed.stride(0), eps, BN=block, HAS_RESIDUAL=res is not None,
+           **launch_options(x.device, num_warps=8 if block >= 4096 else 4 if block >= 1024 else 1))
+    return out.view(x.shape), None if summed is None else summed.view(x.shape)
 
 
 def rms_norm_triton(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     """The Triton kernel behind rms_norm (any device; CPU tensors run in Triton's interpreter)."""
-    n = x.shape[-1]
-    rows = x.reshape(-1, n)
-    if rows.stride(-1) != 1:
-        rows = rows.contiguous()
-    out = torch.empty(rows.shape, dtype=x.dtype, device=x.device)
-    block = next_power_of_2(n)
-    launch(_rms_norm_kernel, persistent_grid(x.device, rows.shape[0]), rows, weight, out, rows.shape[0], n,
-           rows.stride(0), out.stride(0), eps, BN=block,
-           **launch_options(x.device, num_warps=8 if block >= 4096 else 4 if block >= 1024 else 1))
-    return out.view(x.shape)
+    return _rms_norm_rows(x, None, weight, eps)[0]
 
 
 def add_rms_norm(
@@ -158,39 +177,10 @@ def exact_launch_options(device: torch.device, num_warps: int) -> dict:
     return launch_options(device, num_warps=num_warps) | ({"enable_fp_fusion": False} if is_gpu(device) else {})
 
 
-# NPU budget: one row of up to 8192 values of x, residual and weight in fp32: 96 KiB at N = 8192, 60 KiB at 5120.
-@jit
-def _add_rms_norm_kernel(x, res, w, normed, summed, M, N, sx_m, sr_m, sn_m, ss_m, eps, BN: tl.constexpr):
-    cols = tl.arange(0, BN)
-    ok = cols < N
-    scale = 1.0 + tl.load(w + cols, mask=ok, other=0.0).to(tl.float32)
-    for row in range(tl.program_id(0), M, tl.num_programs(0)):
-        at = tl.cast(row, tl.int64)
-        s = (tl.load(x + at * sx_m + cols, mask=ok, other=0.0).to(tl.float32)
-             + tl.load(res + at * sr_m + cols, mask=ok, other=0.0).to(tl.float32))
-        s = s.to(summed.dtype.element_ty)  # rounded as PyTorch's add rounds it, before it is normalised
-        tl.store(summed + at * ss_m + cols, s, mask=ok)
-        sf = s.to(tl.float32)
-        y = sf * tl.rsqrt(tl.sum(sf * sf, 0) / N + eps)
-        tl.store(normed + at * sn_m + cols, (y * scale).to(normed.dtype.element_ty), mask=ok)
-
-
 def add_rms_norm_triton(
     x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """The Triton kernel behind add_rms_norm (any device; CPU tensors run in Triton's interpreter): one pass
-    over each row, its sum of squares a tree sum like rms_norm_triton's (within fp32 rounding of the reference,
-    the same whatever the other rows; the exact-order sum of sum_of_squares took 2-4x longer on an H100)."""
-    n = x.shape[-1]
-    rows, res = x.reshape(-1, n), residual.reshape(-1, n)
-    if rows.stride(-1) != 1:
-        rows = rows.contiguous()
-    if res.stride(-1) != 1:
-        res = res.contiguous()
-    normed = torch.empty(rows.shape, dtype=x.dtype, device=x.device)
-    summed = torch.empty_like(normed)
-    block = next_power_of_2(n)
-    launch(_add_rms_norm_kernel, persistent_grid(x.device, rows.shape[0]), rows, res, weight, normed, summed,
-           rows.shape[0], n, rows.stride(0), res.stride(0), normed.stride(0), summed.stride(0), eps, BN=block,
-           **launch_options(x.device, num_warps=8 if block >= 4096 else 4 if block >= 1024 else 1))
-    return normed.view(x.shape), summed.view(x.shape)
+    """The Triton kernel behind add_rms_norm (any device; CPU tensors run in Triton's interpreter): rms_norm's
+    kernel with the add in front, one pass over each row (within fp32 rounding of the reference, the same
+    whatever the other rows; the exact-order sum of sum_of_squares took 2-4x longer on an H100)."""
+    return _rms_norm_rows(x, residual, weight, eps)
