@@ -14,7 +14,8 @@ eagerly, timed with CUDA events (fastest of several rounds). The outputs of ours
 same weights and inputs are compared (BF16: relative L2 error). --sweep times the mat-vec tiles of the routed
 experts. --e2e: whole models (`make-tiny --like` at --e2e-layers layers, converted to W8A8) through the public
 generate, decode ms/token per batch size with and without MTP k=1, prefill of 512 and 4096 tokens, and
-transformers `generate` on the same BF16 checkpoint; --profile adds GPU time per decode step by kernel.
+transformers `generate` on the same BF16 checkpoint; --profile adds GPU time per decode step by kernel and every
+kernel in the order it ran (DIR/profile-LABEL.timeline.tsv).
 Results: DIR/moe.json (rewritten after every measurement), one JSON line per measurement on stdout.
 """
 
@@ -37,6 +38,7 @@ from npuport.kernels.fused_moe import (
     fused_experts_triton,
     route_top_k,
 )
+from npuport.kernels.fused_moe.fused_experts import few_tokens_experts
 from npuport.runtime.config import ModelConfig
 from npuport.runtime.model import Experts, MoE, stack_projections
 
@@ -167,7 +169,8 @@ def breakdown(layers: list[MoE], xs: list[torch.Tensor], device: torch.device) -
 SWEEP = [FewTokensConfig(gu, dn, bk, w, s) for gu, dn, bk, w, s in [
     (32, 16, 256, 4, 3), (16, 16, 256, 4, 3), (16, 8, 256, 4, 3), (32, 32, 256, 4, 3), (64, 16, 256, 4, 3),
     (16, 16, 512, 4, 3), (32, 16, 128, 4, 3), (16, 16, 256, 2, 3), (16, 16, 256, 8, 3), (32, 16, 512, 8, 2),
-    (8, 8, 512, 4, 3), (16, 8, 512, 2, 4)]]
+    (8, 8, 512, 4, 3), (16, 8, 512, 2, 4), (16, 4, 512, 4, 3), (8, 4, 512, 4, 3), (4, 4, 512, 4, 3),
+    (32, 8, 512, 4, 3), (2, 2, 512, 4, 3)]]
 
 
 def sweep(ours: dict[str, list[MoE]], device: torch.device, tokens: list[int]) -> list[dict]:
@@ -188,6 +191,19 @@ def sweep(ours: dict[str, list[MoE]], device: torch.device, tokens: list[int]) -
                 row["us"][name] = graph_us(fns, device)
             rows.append(row)
             print(json.dumps(row), flush=True)
+        # the shared expert on its own (BF16 beside W8A8 routed experts, whose layout it does not share)
+        layers = ours["bf16"]
+        xs = [torch.randn(m, layer.gate.in_features, device=device, dtype=torch.bfloat16) for layer in layers]
+        row = {"tokens": m, "experts": "shared alone", "us": {}}
+        shared = [layer.shared_expert.as_expert() for layer in layers]
+        ids, weight = torch.zeros(m, 1, dtype=torch.int64, device=device), torch.ones_like(xs[0][:, :1])
+        for cfg in SWEEP:
+            fns = [lambda x=x, e=e, c=cfg, i=ids, w=weight: few_tokens_experts(x, None, e, i, w, x.dtype, c, add_to=x)
+                   for e, x in zip(shared, xs, strict=True)]
+            row["us"][f"bn{cfg.gate_up_bn}/{cfg.down_bn} bk{cfg.bk} w{cfg.num_warps}s{cfg.num_stages}"] = graph_us(
+                fns, device)
+        rows.append(row)
+        print(json.dumps(row), flush=True)
     return rows
 
 
@@ -225,11 +241,27 @@ def profile_decode(model, prompts: list[list[int]], path: Path, tokens: int = 17
         wall = time.perf_counter() - start
     table = prof.key_averages().table(sort_by="cuda_time_total", row_limit=30)
     path.write_text(table)
+    write_timeline(prof, path.with_suffix(".timeline.tsv"))
     # device work: kernels and copies (aten:: operators also report the device time of the kernels they launch)
     kernels = [e for e in prof.key_averages() if e.self_device_time_total > 0 and not e.key.startswith("aten::")]
     gpu_us = sum(e.self_device_time_total for e in kernels)
     return {"wall_ms_per_token": wall * 1000 / tokens, "gpu_ms_per_token": gpu_us / 1000 / tokens,
             "gpu_launches_per_token": sum(e.count for e in kernels) / tokens}
+
+
+def write_timeline(prof, path: Path) -> None:
+    """Every device event of a profile in the order it ran: start and duration (us), the gap since the previous
+    event ended, and the kernel's name - to read one decode step launch by launch."""
+    from torch.autograd import DeviceType
+
+    events = sorted((e for e in prof.events() if e.device_type == DeviceType.CUDA), key=lambda e: e.time_range.start)
+    lines, previous_end = ["start_us\tdur_us\tgap_us\tname"], None
+    for e in events:
+        start, end = e.time_range.start, e.time_range.end
+        gap = 0.0 if previous_end is None else start - previous_end
+        lines.append(f"{start:.1f}\t{end - start:.1f}\t{gap:.1f}\t{e.name[:120]}")
+        previous_end = max(end, previous_end or end)
+    path.write_text("\n".join(lines) + "\n")
 
 
 def end_to_end(args, copy_bps: float, save) -> dict:

@@ -16,7 +16,7 @@ from npuport.devices import DeviceGraph, graphs_supported
 from npuport.errors import NpuportError
 from npuport.kernels.gated_delta_rule import VerifyLog
 from npuport.runtime.model import Qwen35
-from npuport.runtime.sampling import SamplingParams, accept_drafts, make_generator, sample
+from npuport.runtime.sampling import SamplingParams, accept_drafts, greedy_accept, make_generator, sample
 from npuport.runtime.state import GDNState, ModelState, commit_accepted, reset_state
 
 MAX_DRAFTS = 4
@@ -130,14 +130,23 @@ class DeviceProgress:
         self.active = out.active(device)
         self.produced = torch.tensor([len(t) for t in out.tokens], device=device)
         self.stop_tokens = torch.tensor(sorted(out.stop_tokens) or [-1], device=device)
-        self.max_new_tokens = out.max_new_tokens
+        # a tensor, so that steps captured once serve calls with any max_new_tokens
+        self.max_new_tokens = torch.tensor(out.max_new_tokens, device=device)
 
     def advance(self, new: torch.Tensor, counts: torch.Tensor) -> None:
         """The first counts[b] tokens of new [B, n] were produced by request b."""
-        taken = torch.arange(new.shape[1], device=new.device)[None, :] < counts[:, None]
-        stopped = (torch.isin(new, self.stop_tokens) & taken).any(1)
-        self.produced += counts
-        self.active &= ~stopped & (self.produced < self.max_new_tokens)
+        self.active, self.produced = advanced(new, counts, self.active, self.produced, self.stop_tokens,
+                                              self.max_new_tokens)
+
+
+def advanced(new: torch.Tensor, counts: torch.Tensor, active: torch.Tensor, produced: torch.Tensor,
+             stop_tokens: torch.Tensor, max_new_tokens: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """DeviceProgress's (active [B], produced [B]) after request b produced the first counts[b] tokens of
+    new [B, n]: new tensors, so that a captured step can return them."""
+    taken = torch.arange(new.shape[1], device=new.device)[None, :] < counts[:, None]
+    stopped = (torch.isin(new, stop_tokens) & taken).any(1)
+    produced = produced + counts
+    return active & ~stopped & (produced < max_new_tokens), produced
 
 
 def pad_prompts(prompts: Sequence[Sequence[int]], device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
@@ -203,7 +212,7 @@ def scratch_copy(state: ModelState) -> ModelState:
             if isinstance(value, torch.Tensor | VerifyLog):
                 setattr(twin, name, value.clone())
         layers.append(twin)
-    return ModelState(state.positions.clone(), layers)
+    return ModelState(state.positions.clone(), layers, state.capacity)
 
 
 def set_staged(state: ModelState, t: int) -> None:
@@ -215,17 +224,20 @@ def set_staged(state: ModelState, t: int) -> None:
 
 
 class CapturedStep:
-    """fn(state, *inputs) captured once as a device graph over `state` and static copies of `inputs`
+    """fn(*states, *inputs) captured once as a device graph over `states` and static copies of `inputs`
     (CUDA graphs: the launches of a whole step replayed at once). A call copies the new inputs in, replays,
-    restores the step's Python-side effect on `state` (GDN layers staged = t) and returns fresh outputs."""
+    restores the step's Python-side effect on the states (GDN layers staged = t) and returns fresh outputs."""
 
-    def __init__(self, fn: Callable, state: ModelState, inputs: Sequence[torch.Tensor], staged: int) -> None:
-        self.inputs, self.state, self.staged = [x.clone() for x in inputs], state, staged
-        self.graph = DeviceGraph(state.positions.device)
-        before = [getattr(layer, "staged", 0) for layer in state.layers]
-        self.graph.warm_up(lambda: fn(scratch_copy(state), *self.inputs))  # compiles kernels, makes workspaces
-        self.outputs = self.graph.capture(lambda: fn(state, *self.inputs))
-        for layer, value in zip(state.layers, before, strict=True):
+    def __init__(self, fn: Callable, states: Sequence[ModelState], inputs: Sequence[torch.Tensor], staged: int
+                 ) -> None:
+        self.inputs, self.states, self.staged = [x.clone() for x in inputs], states, staged
+        self.graph = DeviceGraph(states[0].positions.device)
+        layers = [layer for state in states for layer in state.layers]
+        before = [getattr(layer, "staged", 0) for layer in layers]
+        # compiles kernels, makes workspaces
+        self.graph.warm_up(lambda: fn(*(scratch_copy(state) for state in states), *self.inputs))
+        self.outputs = self.graph.capture(lambda: fn(*states, *self.inputs))
+        for layer, value in zip(layers, before, strict=True):
             if isinstance(layer, GDNState):
                 layer.staged = value
 
@@ -233,25 +245,76 @@ class CapturedStep:
         for buf, x in zip(self.inputs, inputs, strict=True):
             buf.copy_(x)
         self.graph.replay()
-        set_staged(self.state, self.staged)
+        for state in self.states:
+            set_staged(state, self.staged)
         if self.outputs is None or isinstance(self.outputs, torch.Tensor):
             return None if self.outputs is None else self.outputs.clone()
         return tuple(x.clone() for x in self.outputs)
 
 
+@dataclass
+class RoundParts:
+    """The model steps of an MTP round, run directly on two states or as the captured steps of Steps."""
+
+    draft: Callable  # (head logits [B, V], head output [B, hidden]) -> drafts [B, k]
+    positions: torch.Tensor  # the target state's committed positions [B]
+    target: Callable  # tokens [B, t] -> (final hidden [B, t, hidden], logits [B, t, V]), staged
+    commit: Callable  # n_new [B] -> None: the target keeps that many of its staged tokens
+    catch_up: Callable  # (emitted, hidden, start, accepted) -> the head's (logits [B, 1, V], output)
+    commit_mtp: Callable  # n_new [B] -> None
+
+    @classmethod
+    def direct(cls, model: Qwen35, state: ModelState, mtp_state: ModelState, k: int) -> RoundParts:
+        def target(tokens):
+            hidden = model(tokens, state)
+            return hidden, model.logits(hidden)
+
+        return cls(lambda lg, h: draft(model, mtp_state, lg, h, k), state.positions, target,
+                   lambda n: commit_accepted(state, n),
+                   lambda tok, h, st, at: model.mtp_forward(tok, h, mtp_state, st, logits_at=at),
+                   lambda n: commit_accepted(mtp_state, n))
+
+
+def mtp_round_body(parts: RoundParts, accept: Callable, tok: torch.Tensor, mtp_logits: torch.Tensor,
+                   mtp_hidden: torch.Tensor, active: torch.Tensor, produced: torch.Tensor, stop_tokens: torch.Tensor,
+                   max_new_tokens: torch.Tensor) -> tuple[torch.Tensor, ...]:
+    """Draft k tokens, verify k + 1 positions in one target forward, accept (accept(logits, drafts) ->
+    (accepted [B], next token [B])), commit what the requests that still run (active [B]) keep, and let the
+    head catch up over the verified positions. Returns (next token [B], emitted tokens then the accepted
+    count [B, k + 2], the head's logits [B, V] and output [B, hidden] for the next drafts, active, produced)."""
+    rows = torch.arange(tok.shape[0], device=tok.device)
+    drafts = parts.draft(mtp_logits, mtp_hidden)
+    start = parts.positions.clone()
+    hidden, logits = parts.target(torch.cat([tok[:, None], drafts], dim=1))  # verify k + 1 positions
+    accepted, tok = accept(logits, drafts)
+    n_new = (accepted + 1) * active
+    parts.commit(n_new)
+    emitted = torch.cat([drafts, tok[:, None]], dim=1)  # d_1..d_a, then the target's token
+    emitted[rows, accepted] = tok
+    active, produced = advanced(emitted, n_new, active, produced, stop_tokens, max_new_tokens)
+    # The head catches up over the verified positions: row i pairs emitted token i with hidden i.
+    logits, head_out = parts.catch_up(emitted, hidden, start, accepted)
+    parts.commit_mtp(n_new)
+    return (tok, torch.cat([emitted, accepted[:, None]], dim=1), logits[:, 0], head_out[rows, accepted], active,
+            produced)
+
+
 class Steps:
     """The per-round steps of generation - target decode / verify of t tokens with its logits, commit, MTP
-    drafting and catch-up - run eagerly or, where the device supports it, each captured once as a graph."""
+    drafting and catch-up - run eagerly or, where the device supports it, each captured once as a graph; with
+    greedy decoding a whole decode step or MTP round is one graph (decode, mtp_round)."""
 
     def __init__(self, model: Qwen35, state: ModelState, mtp_state: ModelState | None, graphs: bool) -> None:
         self.model, self.state, self.mtp_state, self.graphs = model, state, mtp_state, graphs
         self.captured: dict[tuple, CapturedStep] = {}
 
-    def _run(self, key: tuple, fn: Callable, state: ModelState, inputs: Sequence[torch.Tensor], staged: int):
+    def _run(self, key: tuple, fn: Callable, state: ModelState | tuple[ModelState, ...],
+             inputs: Sequence[torch.Tensor], staged: int):
+        states = state if isinstance(state, tuple) else (state,)
         if not self.graphs:
-            return fn(state, *inputs)
+            return fn(*states, *inputs)
         if key not in self.captured:
-            self.captured[key] = CapturedStep(fn, state, inputs, staged)
+            self.captured[key] = CapturedStep(fn, states, inputs, staged)
         return self.captured[key](*inputs)
 
     def target(self, tokens: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -268,6 +331,56 @@ class Steps:
             commit_accepted(self.state, n_new)
             return
         self._run(("commit", staged), lambda state, n: commit_accepted(state, n), self.state, [n_new], 0)
+
+    def decode(self, tok: torch.Tensor, progress: DeviceProgress, sampling: SamplingParams,
+               generator: torch.Generator) -> torch.Tensor:
+        """One plain decode step of every request: tok [B] in, the next token [B] out, committed (for the
+        requests progress says still run) and progress advanced. Greedy with graphs, the whole step - forward,
+        commit, argmax, progress - is one graph; otherwise the forward and the commit are (a sampler's draws
+        stay eager)."""
+        if sampling.greedy and self.graphs:
+            def fn(state, tok, active, produced, stop_tokens, max_new_tokens):
+                counts = active.long()
+                hidden = self.model(tok[:, None], state)
+                commit_accepted(state, counts)
+                new = self.model.logits(hidden)[:, 0].argmax(-1)
+                return new, *advanced(new[:, None], counts, active, produced, stop_tokens, max_new_tokens)
+
+            inputs = [tok, progress.active, progress.produced, progress.stop_tokens, progress.max_new_tokens]
+            new, progress.active, progress.produced = self._run(("decode", progress.stop_tokens.numel()), fn,
+                                                                self.state, inputs, 0)
+            return new
+        counts = progress.active.long()
+        _, logits = self.target(tok[:, None])
+        self.commit(counts)
+        new = sample(logits[:, 0], sampling, generator)
+        progress.advance(new[:, None], counts)
+        return new
+
+    def mtp_round(self, tok: torch.Tensor, mtp_logits: torch.Tensor, mtp_hidden: torch.Tensor, k: int,
+                  progress: DeviceProgress, sampling: SamplingParams, generator: torch.Generator
+                  ) -> tuple[torch.Tensor, ...]:
+        """One MTP round of every request (mtp_round_body) from the last token tok [B] and the head's logits
+        [B, V] and output [B, hidden]; progress advanced. Greedy with graphs, the whole round is one graph over
+        both states; otherwise its forwards and commits are (a sampler's draws stay eager). Returns the next
+        token [B], the round's record [B, k + 2] (emitted tokens, then the accepted count) and the head's next
+        logits and output."""
+        if sampling.greedy and self.graphs:
+            def fn(state, mtp_state, tok, mtp_logits, mtp_hidden, active, produced, stop_tokens, max_new_tokens):
+                return mtp_round_body(RoundParts.direct(self.model, state, mtp_state, k), greedy_accept, tok,
+                                      mtp_logits, mtp_hidden, active, produced, stop_tokens, max_new_tokens)
+
+            key = ("mtp round", k, progress.stop_tokens.numel())
+            inputs = [tok, mtp_logits, mtp_hidden, progress.active, progress.produced, progress.stop_tokens,
+                      progress.max_new_tokens]
+            *out, progress.active, progress.produced = self._run(key, fn, (self.state, self.mtp_state), inputs, 0)
+            return tuple(out)
+        parts = RoundParts(lambda lg, h: self.draft(lg, h, k), self.state.positions, self.target, self.commit,
+                           self.mtp_catch_up, lambda n: commit_accepted(self.mtp_state, n))
+        *out, progress.active, progress.produced = mtp_round_body(
+            parts, lambda logits, drafts: accept_drafts(logits, drafts, sampling, generator), tok, mtp_logits,
+            mtp_hidden, progress.active, progress.produced, progress.stop_tokens, progress.max_new_tokens)
+        return tuple(out)
 
     def draft(self, logits: torch.Tensor, hidden: torch.Tensor, k: int) -> torch.Tensor:
         return self._run(("draft", k), lambda state, lg, h: draft(self.model, state, lg, h, k), self.mtp_state,
@@ -374,38 +487,22 @@ def _generate(model: Qwen35, steps: Steps, tokens: torch.Tensor, lengths: torch.
         while out.running():
             progress, rounds = DeviceProgress(out, device), []
             for _ in range(out.rounds_before_sync()):
-                counts = progress.active.long()
-                _, logits = steps.target(next_tok[:, None])
-                steps.commit(counts)
-                next_tok = sample(logits[:, 0], sampling, generator)
-                progress.advance(next_tok[:, None], counts)
+                next_tok = steps.decode(next_tok, progress, sampling, generator)
                 rounds.append(next_tok[:, None])
             for new in torch.stack(rounds).cpu():  # the one host synchronisation of these rounds
                 out.add(new, out.active(new.device).long())
         return GenerationResult(out.tokens, out.reasons)
 
-    mtp_state = steps.mtp_state
     shifted = tokens.roll(-1, dims=1)
     shifted[rows, lengths - 1] = next_tok
-    mtp_logits, mtp_hidden = mtp_prefill(model, mtp_state, shifted, hidden, lengths, prefill_chunk)
+    mtp_logits, mtp_hidden = mtp_prefill(model, steps.mtp_state, shifted, hidden, lengths, prefill_chunk)
     stats = AcceptanceStats.empty(batch, mtp)
     while out.running():
         progress, rounds = DeviceProgress(out, device), []
         for _ in range(out.rounds_before_sync()):
-            drafts = steps.draft(mtp_logits, mtp_hidden, mtp)
-            start = state.positions.clone()
-            hidden, logits = steps.target(torch.cat([next_tok[:, None], drafts], dim=1))  # verify k + 1 positions
-            accepted, next_tok = accept_drafts(logits, drafts, sampling, generator)
-            n_new = (accepted + 1) * progress.active
-            steps.commit(n_new)
-            emitted = torch.cat([drafts, next_tok[:, None]], dim=1)  # d_1..d_a, then the target's token
-            emitted[rows, accepted] = next_tok
-            progress.advance(emitted, n_new)
-            rounds.append(torch.cat([emitted, accepted[:, None]], dim=1))
-            # The head catches up over the verified positions: row i pairs emitted token i with hidden i.
-            logits, head_out = steps.mtp_catch_up(emitted, hidden, start, accepted)
-            commit_accepted(mtp_state, n_new)
-            mtp_logits, mtp_hidden = logits[:, 0], head_out[rows, accepted]
+            next_tok, round_, mtp_logits, mtp_hidden = steps.mtp_round(next_tok, mtp_logits, mtp_hidden, mtp,
+                                                                       progress, sampling, generator)
+            rounds.append(round_)
         for round_ in torch.stack(rounds).cpu():  # the one host synchronisation of these rounds
             emitted, accepted = round_[:, :-1], round_[:, -1]
             active = out.active(round_.device)

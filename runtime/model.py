@@ -18,10 +18,12 @@ from torch import nn
 from npuport.devices import graphs_supported
 from npuport.errors import NpuportError
 from npuport.kernels.causal_conv1d import causal_conv1d_fn, causal_conv1d_update
+from npuport.kernels.decode_attention import decode_attention
 from npuport.kernels.fused_moe import StackedExperts, fused_experts, route_top_k, routed_and_shared_experts
 from npuport.kernels.gated_delta_rule import chunk_gated_delta_rule, fused_recurrent_gated_delta_rule
 from npuport.kernels.gated_rms_norm import gated_rms_norm
 from npuport.kernels.gdn_gating import fused_gdn_gating
+from npuport.kernels.kv_write import write_kv
 from npuport.kernels.rms_norm import add_rms_norm, rms_norm
 from npuport.kernels.rope import rms_norm_rope
 from npuport.runtime.config import FULL_ATTENTION, ModelConfig
@@ -102,11 +104,7 @@ def write_kv_static(cache: KVCache, start: torch.Tensor, k: torch.Tensor, v: tor
     """KVCache.update without its host sync: writes k, v [B, T, Hkv, D] at positions start[b] + t (a decode
     or verify step, always inside the capacity) and returns the whole caches; attend masks what lies past
     each query."""
-    b, t = k.shape[:2]
-    pos = (start[:, None] + torch.arange(t, device=k.device)).clamp_max(cache.capacity - 1)
-    rows = torch.arange(b, device=k.device)[:, None].expand(b, t)
-    cache.k[rows, pos] = k.to(cache.k.dtype)
-    cache.v[rows, pos] = v.to(cache.v.dtype)
+    write_kv(cache.k, cache.v, start, k, v)
     return cache.k, cache.v
 
 
@@ -137,10 +135,10 @@ class Attention(nn.Module):
         k = rms_norm_rope(k.view(b, t, self.n_kv_heads, self.head_dim), self.k_norm.weight, self.k_norm.eps,
                           step.cos, step.sin)
         v = v.view(b, t, self.n_kv_heads, self.head_dim)
-        if step.static_shapes:
+        if step.static_shapes:  # a decode / verify step: attend over the written part of the cache, gate fused
             keys, values = write_kv_static(cache, step.start, k, v)
-        else:
-            keys, values = cache.update(step.start, k, v)
+            return self.o_proj(decode_attention(q, keys, values, step.start, gate).reshape(b, t, -1))
+        keys, values = cache.update(step.start, k, v)
         out = attend(q, keys, values, step.start).reshape(b, t, -1)
         return self.o_proj(out * torch.sigmoid(gate.reshape(b, t, -1)))
 
@@ -375,6 +373,10 @@ def stack_projections(root: nn.Module) -> None:
             module.stack_projections()
 
 
+# The rope table of Qwen35.rope_at grows in steps of this many positions.
+ROPE_TABLE_STEP = 4096
+
+
 class Qwen35(nn.Module):
     """embed -> decoder layers -> norm -> lm_head (tied to embed_tokens when there is none), plus the MTP head."""
 
@@ -409,12 +411,29 @@ class Qwen35(nn.Module):
     def new_mtp_state(self, batch: int, capacity: int) -> ModelState:
         return new_mtp_state(self.config, batch, capacity, self.dtype, self.device)
 
-    def make_step(self, start: torch.Tensor, t: int, n_valid: torch.Tensor | None) -> Step:
-        """The Step of T = t tokens starting at positions start [B] (n_valid: see forward)."""
+    def make_step(self, start: torch.Tensor, t: int, n_valid: torch.Tensor | None, capacity: int = 0) -> Step:
+        """The Step of T = t tokens starting at positions start [B] (n_valid: see forward) of a state with room
+        for `capacity` positions (0: not known)."""
         positions = start[:, None] + torch.arange(t, device=start.device)
-        cos, sin = rope_tables(positions, self.config, self.dtype)
         static = n_valid is None and graphs_supported(start.device)
+        if static and not capacity:  # a captured step cannot ask the host how far the table must reach
+            cos, sin = rope_tables(positions, self.config, self.dtype)
+        else:
+            cos, sin = self.rope_at(positions, capacity or int(start.max()) + t)
         return Step(start.clone(), cos, sin, n_valid, static_shapes=static)
+
+    def rope_at(self, positions: torch.Tensor, reach: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """rope_tables(positions) for positions [B, T] < reach (those beyond are padding: they get the last
+        row), gathered in one launch from a table of every position up to reach, computed once - a step
+        spends no launches on its angles, and a position's cos and sin are the same bits in every step."""
+        table = self.__dict__.get("_rope_table")
+        if table is None or table.shape[0] < reach or table.dtype != self.dtype or table.device != positions.device:
+            rows = -(-reach // ROPE_TABLE_STEP) * ROPE_TABLE_STEP
+            cos, sin = rope_tables(torch.arange(rows, device=positions.device)[None], self.config, self.dtype)
+            table = self.__dict__["_rope_table"] = torch.cat([cos[0], sin[0]], dim=-1)  # [rows, 2 * rotary_dim]
+        rot = self.config.rotary_dim
+        both = table[positions.clamp_max(table.shape[0] - 1)]  # [B, T, 2 * rotary_dim]
+        return both[..., :rot], both[..., rot:]
 
     def forward(self, tokens: torch.Tensor, state: ModelState, n_valid: torch.Tensor | None = None,
                 hidden_states: list[torch.Tensor] | None = None) -> torch.Tensor:
@@ -423,7 +442,7 @@ class Qwen35(nn.Module):
         step of T <= spec_tokens + 1 tokens. Commit afterwards with commit_accepted. `hidden_states`, if
         given, receives what transformers' output_hidden_states gives: the embeddings, the outputs of
         layers 0..n-2 and the final normed hidden."""
-        step = self.make_step(state.positions, tokens.shape[1], n_valid)
+        step = self.make_step(state.positions, tokens.shape[1], n_valid, state.capacity)
         return run_layers(self.layers, state.layers, self.embed_tokens(tokens), step, self.norm, hidden_states)
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
@@ -442,7 +461,8 @@ class Qwen35(nn.Module):
         [B, T, hidden]. Always runs with BF16 dispatch."""
         if self.mtp is None:
             raise NpuportError("this checkpoint has no MTP head (mtp.*); speculative decoding needs one")
-        step = self.make_step(state.positions if start is None else start, next_tokens.shape[1], None)
+        step = self.make_step(state.positions if start is None else start, next_tokens.shape[1], None,
+                              state.capacity)
         with dispatch(bf16=True):
             out = self.mtp(self.embed_tokens(next_tokens), hidden, state, step)
         rows = out if logits_at is None else out[torch.arange(out.shape[0], device=out.device), logits_at][:, None]

@@ -100,10 +100,12 @@ LayerState = KVCache | GDNState
 
 @dataclass
 class ModelState:
-    """positions [B]: tokens committed per request; layers: one state per decoder layer."""
+    """positions [B]: tokens committed per request; layers: one state per decoder layer; capacity: the
+    positions each request has room for (0: not known)."""
 
     positions: torch.Tensor
     layers: list[LayerState]
+    capacity: int = 0
 
 
 def new_target_state(config: ModelConfig, batch: int, capacity: int, spec_tokens: int, dtype: torch.dtype,
@@ -114,7 +116,7 @@ def new_target_state(config: ModelConfig, batch: int, capacity: int, spec_tokens
         if kind == FULL_ATTENTION else GDNState(batch, spec_tokens + 1, config, dtype, device)
         for kind in config.layer_types
     ]
-    return ModelState(torch.zeros(batch, dtype=torch.long, device=device), layers)
+    return ModelState(torch.zeros(batch, dtype=torch.long, device=device), layers, capacity + spec_tokens + 1)
 
 
 def new_mtp_state(config: ModelConfig, batch: int, capacity: int, dtype: torch.dtype,
@@ -124,7 +126,7 @@ def new_mtp_state(config: ModelConfig, batch: int, capacity: int, dtype: torch.d
         KVCache(batch, capacity, config.num_key_value_heads, config.head_dim, dtype, device)
         for _ in range(config.mtp_num_hidden_layers)
     ]
-    return ModelState(torch.zeros(batch, dtype=torch.long, device=device), layers)
+    return ModelState(torch.zeros(batch, dtype=torch.long, device=device), layers, capacity)
 
 
 def reset_state(state: ModelState) -> None:

@@ -30,6 +30,7 @@ from npuport.kernels.causal_conv1d import (  # noqa: E402
     causal_conv1d_update,
     causal_conv1d_update_reference,
 )
+from npuport.kernels.decode_attention import decode_attention, decode_attention_reference  # noqa: E402
 from npuport.kernels.fused_moe import (  # noqa: E402
     StackedExperts,
     fused_experts,
@@ -349,3 +350,36 @@ def test_gpu_logits_match_the_cpu_references(kind, tiny_checkpoints, tiny_artifa
         want = verify_logits(cpu16, prompt).float()
         top1 = (verify_logits(gpu16, prompt).cpu().float().argmax(-1) == want.argmax(-1)).float().mean().item()
         assert top1 >= 0.75, f"bf16 verify top-1 agreement {top1:.2f}"
+
+
+def test_whole_step_graphs_stop_as_eager_steps_do(tiny_checkpoints):
+    """Greedy decode steps and MTP rounds captured whole (forward, commit, argmax and the stop checks on the
+    device): with stop tokens, and max_new_tokens changing from call to call (one capture serves them all), the
+    same tokens and finish reasons as without graphs."""
+    model = load_model(tiny_checkpoints["moe-text-per-expert"], CUDA, torch.bfloat16)
+    first = generate(model, PROMPTS, 30, graphs=False).tokens
+    stops = [first[0][5], first[1][11]]  # tokens the requests do produce
+    for k in (0, 2):
+        for max_new in (30, 7, 19):
+            want = generate(model, PROMPTS, max_new, mtp=k, stop_tokens=stops, graphs=False)
+            got = generate(model, PROMPTS, max_new, mtp=k, stop_tokens=stops)
+            assert (got.tokens, got.finish_reasons) == (want.tokens, want.finish_reasons), (k, max_new)
+
+
+@pytest.mark.parametrize("heads", [(16, 2), (24, 4)], ids=["35B-A3B", "27B"])
+@pytest.mark.parametrize("t", [1, 4])
+def test_decode_attention_at_real_sizes(heads, t):
+    """Head counts of the published models, head_dim 256, a 1280-position cache: the kernel against the PyTorch
+    reference within bf16 rounding; a request's rows the same bits alone as in a batch, and a verify's first
+    token the bits of a decode step."""
+    hq, hkv = heads
+    gen = torch.Generator(device=CUDA).manual_seed(t)
+    b, s, d = 3, 1280, 256
+    q_gate = torch.randn(b, t, hq, 2 * d, generator=gen, device=CUDA).bfloat16()
+    q, gate = q_gate[..., :d], q_gate[..., d:]
+    keys, values = (torch.randn(b, s, hkv, d, generator=gen, device=CUDA).bfloat16() for _ in range(2))
+    start = torch.tensor([0, 511, s - t], device=CUDA)
+    got = decode_attention(q, keys, values, start, gate)
+    assert rel(got, decode_attention_reference(q, keys, values, start, gate)) < 1e-2
+    assert torch.equal(decode_attention(q[1:2], keys[1:2], values[1:2], start[1:2], gate[1:2]), got[1:2])
+    assert torch.equal(decode_attention(q[:, :1], keys, values, start, gate[:, :1]), got[:, :1])

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+from pathlib import Path
 
 import pytest
 import torch
@@ -133,3 +134,21 @@ def test_reference_on_other_questions_is_refused():
     other = SGLangProtocol(RECORDS, shots=1).score(["18"] * 4)
     with pytest.raises(ValueError, match="not the same questions"):
         AccuracyRow(candidate, other)
+
+
+def test_a_slower_mtp_run_says_why_in_round_costs(tmp_path: Path) -> None:
+    """MTP at 0.8x plain with a mean acceptance length of 2.24: a round yields 2.24 tokens in the time of
+    2.24 / 0.8 = 2.80 plain steps, and the report says so."""
+    report = ValidationReport(
+        artifact="a", device="cpu", seed=0,
+        throughput=[ThroughputRun("no MTP", mtp=False, batch_size=1, decode_tokens_per_s=50.0),
+                    ThroughputRun("MTP k=2", mtp=True, batch_size=1, decode_tokens_per_s=40.0,
+                                  num_speculative_tokens=2)],
+        mtp=MTPAcceptance(num_speculative_tokens=2, mean_acceptance_length=2.24, per_position=[0.8, 0.44]))
+    md = write_report(report, tmp_path).markdown.read_text(encoding="utf-8")
+    assert "Decode speed-up with MTP (MTP k=2 over no MTP): 0.80x" in md
+    assert "took the time of 2.80 plain decode steps and yielded 2.24 tokens" in md
+    faster = ValidationReport(artifact="a", device="cpu", seed=0, throughput=[
+        ThroughputRun("no MTP", mtp=False, batch_size=1, decode_tokens_per_s=50.0),
+        ThroughputRun("MTP k=2", mtp=True, batch_size=1, decode_tokens_per_s=60.0)], mtp=report.mtp)
+    assert "MTP is slower here" not in write_report(faster, tmp_path / "faster").markdown.read_text(encoding="utf-8")

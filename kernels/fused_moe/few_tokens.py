@@ -20,8 +20,8 @@ class FewTokensConfig:
     contiguous rows through the CUDA cores."""
 
     gate_up_bn: int = 32
-    down_bn: int = 16
-    bk: int = 256
+    down_bn: int = 8
+    bk: int = 512
     num_warps: int = 4
     num_stages: int = 3
 
@@ -30,11 +30,13 @@ FEW_TOKENS = FewTokensConfig()
 
 
 def few_tokens_config(pairs: int) -> FewTokensConfig:
-    """Measured on an H200 at the 35B-A3B widths (bench/moe.py --sweep, bench/RESULTS.md): with up to 16 routed
-    pairs (batch 1-2 at top-8) [16, 512] weight tiles on both kernels stream best (25 us vs 31 at one token);
-    with more, [32, 256] for gate/up and [16, 256] for down."""
+    """Measured on an H100 at the 35B-A3B widths (bench/moe.py --sweep, bench/RESULTS.md, run P2): with up to 16
+    routed pairs (batch 1-2 at top-8) [4, 512] weight tiles on both kernels stream best - one token's 8 experts in
+    24.9 us against 27.4 for [16, 512] (BF16; W8A8 21.7 against 24.4), a lone shared expert in 7.1 us against
+    9.4: small column tiles give enough programs to fill the GPU; with more pairs, [32, 512] for gate/up and
+    [8, 512] for down (8 tokens: 135 us BF16, 77 us W8A8, within 2% of the best tile of each)."""
     if pairs <= 16:
-        return FewTokensConfig(gate_up_bn=16, down_bn=16, bk=512)
+        return FewTokensConfig(gate_up_bn=4, down_bn=4, bk=512)
     return FEW_TOKENS
 
 
@@ -52,7 +54,8 @@ def _row_times_tile(a_row, w_rows, k0, K, n_ok, BK: tl.constexpr, INT8: tl.const
     return products
 
 
-# NPU budget: two weight tiles [32, 256] bf16 (2 x 16 KiB) and their fp32 products: under 64 KiB.
+# NPU budget (the default tiles): two weight tiles [32, 512] bf16 (2 x 32 KiB) and their fp32 products (2 x 64
+# KiB): 192 KiB, the whole unified buffer of an Ascend 910B core - an NPU config would take [16, 512].
 @jit
 def _pair_gate_up_kernel(a, a_scale, w, w_scale, shared_w, shared_scale, expert_ids, out, N, K, TOP_K, n_tasks,
                          sa_m, sw_e, sw_n, sws_e, so_m, BN: tl.constexpr, BK: tl.constexpr, INT8: tl.constexpr,
@@ -95,11 +98,12 @@ def _pair_gate_up_kernel(a, a_scale, w, w_scale, shared_w, shared_scale, expert_
         tl.store(out + tl.cast(p, tl.int64) * so_m + rn, h, mask=n_ok)
 
 
-# NPU budget: one weight tile [16, 256] bf16 (8 KiB) and its fp32 products (16 KiB).
+# NPU budget (the default tiles): one weight tile [8, 512] bf16 (8 KiB) and its fp32 products (16 KiB).
 @jit
 def _token_down_kernel(h, h_scale, w, w_scale, shared_w, shared_scale, expert_ids, route_weight, shared_weight,
                        add_to, out, N, K, TOP_K, n_tasks, sh_m, sw_e, sw_n, sws_e, so_m, BN: tl.constexpr,
-                       BK: tl.constexpr, INT8: tl.constexpr, ADD: tl.constexpr, SHARED: tl.constexpr):
+                       BK: tl.constexpr, INT8: tl.constexpr, ADD: tl.constexpr, SHARED: tl.constexpr,
+                       ONE_K_TILE: tl.constexpr):
     """Task t = (token m = t // tiles_n, column tile): out[m, n] = the sum over slots s = 0..SLOTS-1, in that
     order and in fp32, of round(round(h[p] @ w_s[n]) * weight_s) with p = m SLOTS + s (each product rounded to
     out's dtype as grouped_gemm's ROUTED epilogue rounds), starting from add_to[m, n] when ADD (else 0),
@@ -125,9 +129,12 @@ def _token_down_kernel(h, h_scale, w, w_scale, shared_w, shared_scale, expert_id
                 w_rows = tl.where(s == TOP_K, shared_w + rn[:, None].to(tl.int64) * sw_n, w_rows)
                 weight = tl.where(s == TOP_K, tl.load(shared_weight + m).to(tl.float32), weight)
             h_row = h + tl.cast(p, tl.int64) * sh_m
-            acc = tl.zeros([BN], dtype=tl.int32 if INT8 else tl.float32)
-            for k0 in range(0, K, BK):
-                acc += _row_times_tile(h_row, w_rows, k0, K, n_ok, BK, INT8)
+            if ONE_K_TILE:  # no inner loop: the slot loop is innermost, and the compiler pipelines its loads
+                acc = _row_times_tile(h_row, w_rows, 0, K, n_ok, BK, INT8)
+            else:
+                acc = tl.zeros([BN], dtype=tl.int32 if INT8 else tl.float32)
+                for k0 in range(0, K, BK):
+                    acc += _row_times_tile(h_row, w_rows, k0, K, n_ok, BK, INT8)
             if INT8:
                 w_s = w_scale + expert * sws_e + rn
                 if SHARED:
@@ -193,6 +200,6 @@ def token_down(h: torch.Tensor, h_scale: torch.Tensor | None, experts: StackedEx
            None if shared is None else shared.down, None if shared is None else shared.down_scale, expert_ids,
            route_weight, shared_weight, add_to, out, n, k, top_k, n_tasks, h.stride(0), w.stride(0), w.stride(1),
            w_scale.stride(0) if int8 else 0, out.stride(0), BN=config.down_bn, BK=config.bk, INT8=int8,
-           ADD=add_to is not None, SHARED=shared is not None,
+           ADD=add_to is not None, SHARED=shared is not None, ONE_K_TILE=k <= config.bk,
            **launch_options(h.device, num_warps=config.num_warps, num_stages=config.num_stages))
     return out

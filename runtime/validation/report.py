@@ -329,9 +329,21 @@ def _throughput_section(report: ValidationReport) -> list[str]:
     plain = next((r for r in runs if not r.mtp and r.decode_tokens_per_s), None)
     spec = next((r for r in runs if r.mtp and r.decode_tokens_per_s), None)
     if plain and spec:
-        lines += [f"Decode speed-up with MTP ({spec.label} over {plain.label}): "
-                  f"{spec.decode_tokens_per_s / plain.decode_tokens_per_s:.2f}x", ""]
+        speedup = spec.decode_tokens_per_s / plain.decode_tokens_per_s
+        lines += [f"Decode speed-up with MTP ({spec.label} over {plain.label}): {speedup:.2f}x", ""]
+        if speedup < 1 and report.mtp is not None:
+            lines += [_why_mtp_is_slower(report.mtp.mean_acceptance_length, speedup), ""]
     return lines
+
+
+def _why_mtp_is_slower(mean_length: float, speedup: float) -> str:
+    """Why an MTP run decoded slower than plain decoding, from what was measured: a round yields mean_length
+    tokens in the time of mean_length / speedup plain decode steps."""
+    return (f"MTP is slower here because a round - the drafts through the MTP head, one target forward verifying "
+            f"them, the head catching up - took the time of {mean_length / speedup:.2f} plain decode steps and "
+            f"yielded {mean_length:.2f} tokens (the mean acceptance length above). It pays where a round costs "
+            f"less than it yields: on models large enough that verifying a few tokens at once costs little more "
+            f"than decoding one, not on a model this small on this device.")
 
 
 def _mtp_section(report: ValidationReport, mtp: MTPAcceptance) -> list[str]:
