@@ -107,6 +107,12 @@ def npu_core_count(device: torch.device, kind: str) -> int:
         return NPU_CORES_FALLBACK[kind]
 
 
+def distributed_backend(device: torch.device) -> str:
+    """The torch.distributed backend for processes on `device`: NCCL on CUDA, HCCL on Ascend (torch_npu), gloo on
+    CPU."""
+    return {"cuda": "nccl", "npu": "hccl"}.get(device.type, "gloo")
+
+
 def graphs_supported(device: torch.device) -> bool:
     """Whether decode / verify steps can be captured and replayed as graphs here (CUDA graphs)."""
     return is_gpu(device)

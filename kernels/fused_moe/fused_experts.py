@@ -30,7 +30,7 @@ def fused_experts(x: torch.Tensor, experts: StackedExperts, weights: torch.Tenso
     quantized per token (int8 dispatch), for W8A8 experts; the same values they would compute from x."""
     if use_triton(x):
         return fused_experts_triton(x, experts, weights, expert_ids, x_int8)
-    return fused_experts_reference(x, experts, weights, expert_ids)
+    return fused_experts_reference(x, experts, weights, expert_ids, x_int8=x_int8)
 
 
 # Up to this many routed pairs (token x slot) the mat-vec kernels run; beyond, the grouped GEMMs, whose

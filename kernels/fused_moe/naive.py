@@ -15,15 +15,17 @@ def wide_dtype(dtype: torch.dtype) -> torch.dtype:
     return torch.promote_types(dtype, torch.float32)
 
 
-def expert_mlp_reference(x: torch.Tensor, experts: StackedExperts, e: int) -> torch.Tensor:
+def expert_mlp_reference(x: torch.Tensor, experts: StackedExperts, e: int,
+                         x_int8: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
     """Expert e on tokens x [R, H] -> [R, H] in x's dtype: down(silu(gate(x)) * up(x)), each product rounded
-    to x's dtype as separate linear layers round it. W8A8 experts quantize x per token (int8 tokens are the
-    same values however they travelled) and the intermediate again before the down projection."""
+    to x's dtype as separate linear layers round it. W8A8 experts quantize x per token - or take x_int8 =
+    (values int8 [R, H], scales fp32 [R, 1]), tokens that arrived quantized, of which x gives only the dtype -
+    and the intermediate again before the down projection."""
     i = experts.intermediate
     if not experts.quantized:
         gate, up = F.linear(x, experts.gate_up[e, :i]), F.linear(x, experts.gate_up[e, i:])
         return F.linear(F.silu(gate) * up, experts.down[e])
-    x_q, x_s = quantize_per_token_int8_reference(x)
+    x_q, x_s = quantize_per_token_int8_reference(x) if x_int8 is None else x_int8
     w, s = experts.gate_up[e], experts.gate_up_scale[e, :, None]
     gate = int8_matmul_rescale_reference(x_q, x_s, w[:i], s[:i], x.dtype)
     up = int8_matmul_rescale_reference(x_q, x_s, w[i:], s[i:], x.dtype)
@@ -32,16 +34,18 @@ def expert_mlp_reference(x: torch.Tensor, experts: StackedExperts, e: int) -> to
 
 
 def fused_experts_reference(x: torch.Tensor, experts: StackedExperts, weights: torch.Tensor,
-                            expert_ids: torch.Tensor, shared: tuple[StackedExperts, torch.Tensor] | None = None
-                            ) -> torch.Tensor:
+                            expert_ids: torch.Tensor, shared: tuple[StackedExperts, torch.Tensor] | None = None,
+                            x_int8: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
     """x [M, H]; weights [M, top_k] (x's dtype); expert_ids [M, top_k] -> [M, H] in x's dtype: for each token the
     sum over its slots of weight * expert output (each product rounded to x's dtype), see sum_slots. shared =
-    (one expert, weight [M, 1]): that expert as one more slot after the routed ones."""
+    (one expert, weight [M, 1]): that expert as one more slot after the routed ones. x_int8: the tokens as they
+    arrived quantized, for W8A8 experts (expert_mlp_reference)."""
     m, top_k = expert_ids.shape
     per_slot = torch.zeros(m, top_k + (shared is not None), x.shape[1], dtype=x.dtype, device=x.device)
     for e in expert_ids.unique().tolist():
         rows, slots = (expert_ids == e).nonzero(as_tuple=True)
-        per_slot[rows, slots] = expert_mlp_reference(x[rows], experts, e) * weights[rows, slots, None]
+        tokens = None if x_int8 is None or not experts.quantized else (x_int8[0][rows], x_int8[1][rows])
+        per_slot[rows, slots] = expert_mlp_reference(x[rows], experts, e, tokens) * weights[rows, slots, None]
     if shared is not None:
         per_slot[:, top_k] = expert_mlp_reference(x, shared[0], 0) * shared[1]
     return sum_slots(per_slot)

@@ -1,0 +1,115 @@
+"""Expert parallelism for one MoE layer over torch.distributed: the experts split across the ranks of a process
+group in equal contiguous ranges, each rank routing its own tokens, sending each token once to every rank that
+holds one of its experts - BF16, or int8 values with per-token fp32 scales, as `runtime/dispatch.py` says for the
+layer - and summing the partial outputs that come back (all-to-all both ways, as sglang's DeepEP path does).
+
+The exchange sizes depend on the routing, so a step syncs with the host (the counts go first); it is the
+building block of the runtime's several-device mode, not yet wired into the model or the loader.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+import torch.distributed as dist
+
+from npuport.errors import NpuportError
+from npuport.kernels.fused_moe import StackedExperts, fused_experts
+from npuport.kernels.fused_moe.naive import wide_dtype
+from npuport.kernels.w8a8 import quantize_per_token_int8
+
+
+@dataclass(frozen=True)
+class ExpertShard:
+    """Which experts of a layer's num_experts each of `world` ranks holds: rank r the contiguous range
+    [r * per_rank, (r + 1) * per_rank)."""
+
+    num_experts: int
+    world: int
+
+    def __post_init__(self) -> None:
+        if self.world > self.num_experts:
+            raise NpuportError(f"{self.world} ranks for {self.num_experts} experts: every rank needs at least one "
+                               "expert; use at most as many devices as the model has experts per layer")
+        if self.num_experts % self.world:
+            raise NpuportError(f"{self.num_experts} experts do not split evenly over {self.world} ranks; use a "
+                               "device count that divides the expert count")
+
+    @property
+    def per_rank(self) -> int:
+        return self.num_experts // self.world
+
+    def experts_of(self, rank: int) -> range:
+        return range(rank * self.per_rank, (rank + 1) * self.per_rank)
+
+    def local(self, experts: StackedExperts, rank: int) -> StackedExperts:
+        """rank's experts out of all of a layer's (views, no copy)."""
+        span = slice(rank * self.per_rank, (rank + 1) * self.per_rank)
+        scales = (None, None) if not experts.quantized else (experts.gate_up_scale[span], experts.down_scale[span])
+        return StackedExperts(experts.gate_up[span], experts.down[span], *scales)
+
+
+@dataclass
+class DispatchRecord:
+    """What the dispatch of one call put on the wire towards other ranks, and what this rank received."""
+
+    sent_bytes: int = 0  # token payload (values and scales) sent to the other ranks
+    received: list[torch.Tensor] = field(default_factory=list)  # the token values that arrived, one per rank
+
+
+def expert_parallel_experts(x: torch.Tensor, weights: torch.Tensor, expert_ids: torch.Tensor,
+                            local: StackedExperts, shard: ExpertShard, int8: bool,
+                            group: dist.ProcessGroup | None = None, record: DispatchRecord | None = None
+                            ) -> torch.Tensor:
+    """This rank's tokens x [M, H] (M may differ between ranks, even be 0), routed: weights [M, top_k] in x's
+    dtype and expert_ids [M, top_k] over all of the layer's experts; local: this rank's experts
+    (ExpertShard.local). Returns [M, H] in x's dtype: each token's weighted sum over its experts, each rank
+    holding some of them adding its share (rounded to x's dtype), the shares summed in rank order in fp32 and
+    rounded once. int8: the tokens travel as int8 values and per-token fp32 scales (W8A8 experts only)."""
+    if int8 and not local.quantized:
+        raise NpuportError("int8 dispatch into BF16 experts: they cannot take int8 tokens")
+    rank, world = dist.get_rank(group), dist.get_world_size(group)
+    owner = expert_ids // shard.per_rank  # [M, top_k]
+    tokens = quantize_per_token_int8(x) if int8 else None
+    sends = []
+    for r in range(world):
+        rows = (owner == r).any(1).nonzero().squeeze(1)
+        on_r = owner[rows] == r
+        ids = torch.where(on_r, expert_ids[rows] - r * shard.per_rank, 0)  # slots elsewhere: weight 0
+        payload = [tokens[0][rows], tokens[1][rows]] if int8 else [x[rows]]
+        sends.append((rows, payload, ids, torch.where(on_r, weights[rows], 0)))
+    counts = _exchange([torch.tensor([len(s[0])], device=x.device) for s in sends],
+                       [torch.zeros(1, dtype=torch.long, device=x.device) for _ in range(world)], group)
+    n_in = [int(c) for c in counts]
+
+    def across(parts: list[torch.Tensor]) -> list[torch.Tensor]:
+        return _exchange(parts, [parts[0].new_empty((n, *parts[0].shape[1:])) for n in n_in], group)
+
+    got = [across([s[1][i] for s in sends]) for i in range(len(sends[0][1]))]
+    got_ids, got_weights = across([s[2] for s in sends]), across([s[3] for s in sends])
+    if record is not None:
+        record.sent_bytes += sum(t.numel() * t.element_size() for r, s in enumerate(sends) if r != rank for t in s[1])
+        record.received = got[0]
+    # Each received token through this rank's experts; slots held elsewhere carry weight 0 and add nothing.
+    shares = []
+    for r in range(world):
+        if int8:
+            rows_x = x.new_empty(n_in[r], x.shape[1])  # only its dtype and shape matter with int8 tokens
+            shares.append(fused_experts(rows_x, local, got_weights[r], got_ids[r], (got[0][r], got[1][r])))
+        else:
+            shares.append(fused_experts(got[0][r], local, got_weights[r], got_ids[r]))
+    back = _exchange(shares, [x.new_empty(len(s[0]), x.shape[1]) for s in sends], group)
+    total = torch.zeros(x.shape, dtype=wide_dtype(x.dtype), device=x.device)
+    for (rows, *_), share in zip(sends, back, strict=True):  # rank order
+        total.index_add_(0, rows, share.to(total.dtype))
+    return total.to(x.dtype)
+
+
+def _exchange(send: list[torch.Tensor], receive: list[torch.Tensor], group: dist.ProcessGroup | None
+              ) -> list[torch.Tensor]:
+    """send[r] goes to rank r, receive[r] (pre-shaped, only its shape matters) comes from rank r, rows of any
+    count (one all_to_all_single with split sizes, which gloo, NCCL and HCCL all take); returns what came."""
+    out = receive[0].new_empty((sum(len(t) for t in receive), *receive[0].shape[1:]))
+    dist.all_to_all_single(out, torch.cat(send), [len(t) for t in receive], [len(t) for t in send], group=group)
+    return list(out.split([len(t) for t in receive]))
