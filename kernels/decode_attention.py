@@ -38,7 +38,16 @@ import math
 
 import torch
 
-from npuport.kernels.launch import jit, launch, launch_options, next_power_of_2, persistent_grid, tl, use_triton
+from npuport.kernels.launch import (
+    jit,
+    launch,
+    launch_options,
+    next_power_of_2,
+    persistent_grid,
+    tl,
+    unit_last_stride,
+    use_triton,
+)
 
 # Keys per split: one program's share of the cache. 256 keeps the number of programs up at short contexts (one
 # request, 2 kv heads and 1k tokens still give 8 programs) and the workspace small at long ones (n_splits partial
@@ -208,10 +217,6 @@ def _combine_kernel(m_ws, l_ws, acc_ws, gate, start, out, M, T, Hkv, S, n_splits
         tl.store(out + row[:, None] * D + dims[None, :], o, mask=ok)
 
 
-def _last_dim_contiguous(x: torch.Tensor) -> torch.Tensor:
-    return x if x.stride(-1) == 1 else x.contiguous()
-
-
 def block_keys(dtype: torch.dtype) -> int:
     """Keys per block for a cache of this dtype: BLOCK_N for 16-bit caches, half as many for float32 ones (the same
     tile bytes)."""
@@ -235,8 +240,8 @@ def decode_attention_triton(q: torch.Tensor, keys: torch.Tensor, values: torch.T
     if hq % hkv != 0 or split % block_n != 0 or not 16 <= block_n <= 128:
         raise ValueError(f"{hq} query heads over {hkv} kv heads, splits of {split} keys in blocks of {block_n}")
     group = hq // hkv
-    q, keys, values = _last_dim_contiguous(q), _last_dim_contiguous(keys), _last_dim_contiguous(values)
-    gate = None if gate is None else _last_dim_contiguous(gate)
+    q, keys, values = unit_last_stride(q), unit_last_stride(keys), unit_last_stride(values)
+    gate = None if gate is None else unit_last_stride(gate)
     start = start.to(device=q.device, dtype=torch.int64)
     n_splits = -(-s // split)
     m_ws = torch.empty((b, t, hq, n_splits), dtype=torch.float32, device=q.device)

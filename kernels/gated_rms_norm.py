@@ -13,7 +13,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from npuport.kernels.launch import jit, launch, next_power_of_2, persistent_grid, tl, use_triton
+from npuport.kernels.launch import jit, launch, next_power_of_2, persistent_grid, tl, unit_last_stride, use_triton
 from npuport.kernels.rms_norm import SUM_LANES, exact_launch_options, inverse_rms, sum_of_squares
 
 
@@ -90,7 +90,7 @@ def _as_heads(t: torch.Tensor) -> torch.Tensor:
     a projection's slice do), else a copy."""
     t = t.reshape(1, 1, -1) if t.dim() == 1 else t if t.dim() > 2 else t.unsqueeze(1)
     t = t.flatten(0, -3)
-    return t if t.stride(-1) == 1 else t.contiguous()
+    return unit_last_stride(t)
 
 
 def gated_rms_norm_triton(x: torch.Tensor, gate: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:

@@ -6,7 +6,16 @@ from __future__ import annotations
 
 import torch
 
-from npuport.kernels.launch import jit, launch, launch_options, next_power_of_2, persistent_grid, tl, use_triton
+from npuport.kernels.launch import (
+    jit,
+    launch,
+    launch_options,
+    next_power_of_2,
+    persistent_grid,
+    tl,
+    unit_last_stride,
+    use_triton,
+)
 
 
 def write_kv(cache_k: torch.Tensor, cache_v: torch.Tensor, start: torch.Tensor, k: torch.Tensor,
@@ -50,8 +59,7 @@ def write_kv_triton(cache_k: torch.Tensor, cache_v: torch.Tensor, start: torch.T
                     v: torch.Tensor) -> None:
     """The Triton kernel behind write_kv (any device; CPU tensors run in Triton's interpreter)."""
     b, t, h, d = k.shape
-    k = k if k.stride(-1) == 1 else k.contiguous()
-    v = v if v.stride(-1) == 1 else v.contiguous()
+    k, v = unit_last_stride(k), unit_last_stride(v)
     rows = b * t * h
     launch(_write_kv_kernel, persistent_grid(k.device, rows), cache_k, cache_v, start, k, v, rows, t, h,
            cache_k.shape[1], k.stride(0), k.stride(1), k.stride(2), v.stride(0), v.stride(1), v.stride(2),

@@ -153,5 +153,10 @@ def launch(kernel, grid: tuple[int, ...], *args, **kwargs) -> None:
         runner[grid](*args, **kwargs)
 
 
+def unit_last_stride(x: torch.Tensor) -> torch.Tensor:
+    """x itself when its last dim is contiguous (the only stride the kernels need to be 1), else a contiguous copy."""
+    return x if x.stride(-1) == 1 else x.contiguous()
+
+
 def next_power_of_2(n: int) -> int:
     return 1 << max(0, n - 1).bit_length()

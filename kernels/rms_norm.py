@@ -12,7 +12,16 @@ from __future__ import annotations
 import torch
 
 from npuport.devices import is_gpu
-from npuport.kernels.launch import jit, launch, launch_options, next_power_of_2, persistent_grid, tl, use_triton
+from npuport.kernels.launch import (
+    jit,
+    launch,
+    launch_options,
+    next_power_of_2,
+    persistent_grid,
+    tl,
+    unit_last_stride,
+    use_triton,
+)
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
@@ -55,10 +64,8 @@ def _rms_norm_rows(x: torch.Tensor, residual: torch.Tensor | None, weight: torch
     """_rms_norm_kernel over the rows of x [..., N] (and residual, when given): (normed, summed or None)."""
     n = x.shape[-1]
     rows = x.reshape(-1, n)
-    rows = rows if rows.stride(-1) == 1 else rows.contiguous()
-    res = None if residual is None else residual.reshape(-1, n)
-    if res is not None and res.stride(-1) != 1:
-        res = res.contiguous()
+    rows = unit_last_stride(rows)
+    res = None if residual is None else unit_last_stride(residual.reshape(-1, n))
     out = torch.empty(rows.shape, dtype=x.dtype, device=x.device)
     summed = None if res is None else torch.empty_like(out)
     block = next_power_of_2(n)

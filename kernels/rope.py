@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import torch
 
-from npuport.kernels.launch import jit, launch, next_power_of_2, persistent_grid, tl, use_triton
+from npuport.kernels.launch import jit, launch, next_power_of_2, persistent_grid, tl, unit_last_stride, use_triton
 from npuport.kernels.rms_norm import SUM_LANES, exact_launch_options, inverse_rms, rms_norm_reference, sum_of_squares
 
 
@@ -69,10 +69,8 @@ def rms_norm_rope_triton(x: torch.Tensor, weight: torch.Tensor, eps: float, cos:
     """The Triton kernel behind rms_norm_rope (any device; CPU tensors run in Triton's interpreter)."""
     b, t, h, d = x.shape
     rot = cos.shape[-1]
-    if x.stride(-1) != 1:
-        x = x.contiguous()
-    cos = cos if cos.stride(-1) == 1 else cos.contiguous()
-    sin = sin if sin.stride(-1) == 1 else sin.contiguous()
+    x = unit_last_stride(x)
+    cos, sin = unit_last_stride(cos), unit_last_stride(sin)
     out = torch.empty((b, t, h, d), dtype=x.dtype, device=x.device)
     rows = b * t * h
     launch(_rms_norm_rope_kernel, persistent_grid(x.device, rows), x, weight, cos, sin, out, rows, t, h,

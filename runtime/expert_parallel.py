@@ -40,9 +40,6 @@ class ExpertShard:
     def per_rank(self) -> int:
         return self.num_experts // self.world
 
-    def experts_of(self, rank: int) -> range:
-        return range(rank * self.per_rank, (rank + 1) * self.per_rank)
-
     def local(self, experts: StackedExperts, rank: int) -> StackedExperts:
         """rank's experts out of all of a layer's (views, no copy)."""
         span = slice(rank * self.per_rank, (rank + 1) * self.per_rank)

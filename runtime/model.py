@@ -99,15 +99,6 @@ def attend(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, start: tor
     return out.transpose(1, 2)
 
 
-def write_kv_static(cache: KVCache, start: torch.Tensor, k: torch.Tensor, v: torch.Tensor
-                    ) -> tuple[torch.Tensor, torch.Tensor]:
-    """KVCache.update without its host sync: writes k, v [B, T, Hkv, D] at positions start[b] + t (a decode
-    or verify step, always inside the capacity) and returns the whole caches; attend masks what lies past
-    each query."""
-    write_kv(cache.k, cache.v, start, k, v)
-    return cache.k, cache.v
-
-
 class Attention(nn.Module):
     """Gated full attention: q_proj gives [q | gate] per head, q/k RMSNorm per head, partial RoPE,
     o_proj(attention * sigmoid(gate))."""
@@ -135,9 +126,9 @@ class Attention(nn.Module):
         k = rms_norm_rope(k.view(b, t, self.n_kv_heads, self.head_dim), self.k_norm.weight, self.k_norm.eps,
                           step.cos, step.sin)
         v = v.view(b, t, self.n_kv_heads, self.head_dim)
-        if step.static_shapes:  # a decode / verify step: attend over the written part of the cache, gate fused
-            keys, values = write_kv_static(cache, step.start, k, v)
-            return self.o_proj(decode_attention(q, keys, values, step.start, gate).reshape(b, t, -1))
+        if step.static_shapes:  # a decode / verify step, without a host sync: the whole caches, the gate fused
+            write_kv(cache.k, cache.v, step.start, k, v)
+            return self.o_proj(decode_attention(q, cache.k, cache.v, step.start, gate).reshape(b, t, -1))
         keys, values = cache.update(step.start, k, v)
         out = attend(q, keys, values, step.start).reshape(b, t, -1)
         return self.o_proj(out * torch.sigmoid(gate.reshape(b, t, -1)))
@@ -411,15 +402,12 @@ class Qwen35(nn.Module):
     def new_mtp_state(self, batch: int, capacity: int) -> ModelState:
         return new_mtp_state(self.config, batch, capacity, self.dtype, self.device)
 
-    def make_step(self, start: torch.Tensor, t: int, n_valid: torch.Tensor | None, capacity: int = 0) -> Step:
+    def make_step(self, start: torch.Tensor, t: int, n_valid: torch.Tensor | None, capacity: int) -> Step:
         """The Step of T = t tokens starting at positions start [B] (n_valid: see forward) of a state with room
-        for `capacity` positions (0: not known)."""
+        for `capacity` positions."""
         positions = start[:, None] + torch.arange(t, device=start.device)
+        cos, sin = self.rope_at(positions, capacity)
         static = n_valid is None and graphs_supported(start.device)
-        if static and not capacity:  # a captured step cannot ask the host how far the table must reach
-            cos, sin = rope_tables(positions, self.config, self.dtype)
-        else:
-            cos, sin = self.rope_at(positions, capacity or int(start.max()) + t)
         return Step(start.clone(), cos, sin, n_valid, static_shapes=static)
 
     def rope_at(self, positions: torch.Tensor, reach: int) -> tuple[torch.Tensor, torch.Tensor]:

@@ -101,11 +101,11 @@ LayerState = KVCache | GDNState
 @dataclass
 class ModelState:
     """positions [B]: tokens committed per request; layers: one state per decoder layer; capacity: the
-    positions each request has room for (0: not known)."""
+    positions each request has room for."""
 
     positions: torch.Tensor
     layers: list[LayerState]
-    capacity: int = 0
+    capacity: int
 
 
 def new_target_state(config: ModelConfig, batch: int, capacity: int, spec_tokens: int, dtype: torch.dtype,

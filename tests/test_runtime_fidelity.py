@@ -87,7 +87,7 @@ def test_each_layer_matches_transformers_given_the_same_input(pair):
     worst = 0.0
     for begin, count, is_prefill in [(0, 9, True)] + [(p, 1, False) for p in range(9, 15)]:
         n_valid = torch.full((2,), count) if is_prefill else None
-        step = model.make_step(state.positions, count, n_valid)
+        step = model.make_step(state.positions, count, n_valid, state.capacity)
         for i, (layer, layer_state) in enumerate(zip(model.layers, state.layers, strict=True)):
             out = sum(layer(hidden[i][:, begin : begin + count], None, layer_state, step))  # MLP output + stream
             if i == n - 1:

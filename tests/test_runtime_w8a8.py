@@ -116,7 +116,8 @@ def test_w8a8_layers_equal_transformers_with_dequantized_weights(tiny_checkpoint
     state = model.new_state(2, 12)
     errors = []  # per layer and token: max abs difference
     for begin, count in [(0, 8), (8, 1), (9, 1), (10, 1), (11, 1)]:
-        step = model.make_step(state.positions, count, torch.full((2,), count) if begin == 0 else None)
+        step = model.make_step(state.positions, count, torch.full((2,), count) if begin == 0 else None,
+                               state.capacity)
         for i, (layer, layer_state) in enumerate(zip(model.layers, state.layers, strict=True)):
             out = sum(layer(hidden[i][:, begin : begin + count], None, layer_state, step))  # MLP output + stream
             out = model.norm(out) if i == len(model.layers) - 1 else out

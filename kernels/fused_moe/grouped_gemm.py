@@ -11,7 +11,7 @@ import torch
 
 from npuport.devices import is_gpu
 from npuport.kernels.fused_moe.routing import BlockRouting
-from npuport.kernels.launch import jit, launch, launch_options, persistent_grid, tl
+from npuport.kernels.launch import jit, launch, launch_options, persistent_grid, tl, unit_last_stride
 
 
 @dataclass(frozen=True)
@@ -107,7 +107,7 @@ def grouped_gemm(a: torch.Tensor, a_scale: torch.Tensor | None, w: torch.Tensor,
         raise ValueError(f"the grouped GEMM takes int8 tokens with int8 experts only, got {a.dtype} and {w.dtype}")
     n = w.shape[1] // 2 if gated else w.shape[1]
     k = w.shape[2]
-    a = a if a.stride(-1) == 1 else a.contiguous()
+    a = unit_last_stride(a)
     out = torch.empty(routing.pairs, n, dtype=out_dtype, device=a.device)
     n_tasks = routing.block_expert.numel() * -(-n // config.bn)
     launch(_grouped_gemm_kernel, persistent_grid(a.device, n_tasks, "cube"), a, a_scale, w, w_scale,

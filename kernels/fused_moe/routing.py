@@ -9,7 +9,16 @@ from dataclasses import dataclass
 
 import torch
 
-from npuport.kernels.launch import jit, launch, launch_options, next_power_of_2, persistent_grid, tl, use_triton
+from npuport.kernels.launch import (
+    jit,
+    launch,
+    launch_options,
+    next_power_of_2,
+    persistent_grid,
+    tl,
+    unit_last_stride,
+    use_triton,
+)
 
 
 def route_top_k(router_logits: torch.Tensor, top_k: int, weight_dtype: torch.dtype
@@ -62,7 +71,7 @@ def route_top_k_triton(router_logits: torch.Tensor, top_k: int, weight_dtype: to
     m, e = router_logits.shape
     weights = torch.empty(m, top_k, dtype=weight_dtype, device=router_logits.device)
     ids = torch.empty(m, top_k, dtype=torch.int64, device=router_logits.device)
-    logits = router_logits if router_logits.stride(-1) == 1 else router_logits.contiguous()
+    logits = unit_last_stride(router_logits)
     launch(_route_kernel, persistent_grid(logits.device, m), logits, weights, ids, m, e, logits.stride(0),
            TOP_K=top_k, BE=next_power_of_2(e), BK=next_power_of_2(top_k),
            **launch_options(logits.device, num_warps=4))

@@ -19,6 +19,7 @@ from npuport.kernels.launch import (
     persistent_grid,
     prefetch_to_l2,
     tl,
+    unit_last_stride,
     use_triton,
     wait_for_previous_kernel,
 )
@@ -286,10 +287,7 @@ def int8_matmul_rescale_triton(
 ) -> torch.Tensor:
     """The Triton kernel behind int8_matmul_rescale (any device; CPU tensors run in Triton's interpreter).
     On a GPU the first call of each shape (per power of 2 of M) picks the fastest of gemm_candidates."""
-    if x_q.stride(-1) != 1:
-        x_q = x_q.contiguous()
-    if w_q.stride(-1) != 1:
-        w_q = w_q.contiguous()
+    x_q, w_q = unit_last_stride(x_q), unit_last_stride(w_q)
     m, k = x_q.shape
     out = torch.empty(m, w_q.shape[0], dtype=out_dtype, device=x_q.device)
     x_scale, w_scale = x_scale.reshape(-1), w_scale.reshape(-1)

@@ -14,6 +14,7 @@ from npuport.kernels.launch import (
     persistent_grid,
     start_dependent_kernel,
     tl,
+    unit_last_stride,
     use_triton,
 )
 from npuport.kernels.w8a8.naive import quantize_per_token_int8_reference
@@ -65,8 +66,7 @@ def _quantize_kernel(x, x_q, x_scale, M, K, sx_m, sq_m, BLOCK_K: tl.constexpr, S
 
 def quantize_per_token_int8_triton(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """The Triton kernel behind quantize_per_token_int8 (any device; CPU tensors run in Triton's interpreter)."""
-    if x.stride(-1) != 1:
-        x = x.contiguous()
+    x = unit_last_stride(x)
     m, k = x.shape
     x_q = torch.empty(m, k, dtype=torch.int8, device=x.device)
     x_scale = torch.empty(m, 1, dtype=torch.float32, device=x.device)
