@@ -41,6 +41,7 @@ from npuport.kernels.fused_moe import (
 from npuport.kernels.fused_moe.fused_experts import few_tokens_experts
 from npuport.runtime.config import ModelConfig
 from npuport.runtime.model import Experts, MoE, stack_projections
+from npuport.runtime.parallel import Parallel
 
 
 def bench_module(name: str):
@@ -83,7 +84,7 @@ def transformers_block(config, implementation: str, seed: int, device: torch.dev
 
 def our_layer(block, config: ModelConfig, quantized: bool) -> MoE:
     """The runtime's MoE with `block`'s weights (W8A8: experts quantized with the converter's math)."""
-    layer = MoE(config, "bench").to(device=block.gate.weight.device, dtype=torch.bfloat16)
+    layer = MoE(config, "bench", Parallel()).to(device=block.gate.weight.device, dtype=torch.bfloat16)
     with torch.no_grad():
         layer.gate.weight.copy_(block.gate.weight)
         layer.shared_expert_gate.weight.copy_(block.shared_expert_gate.weight)

@@ -72,8 +72,18 @@ def main() -> None:
 # repeated here so that the command line starts without importing torch.
 device_option = click.option("--device", type=click.Choice(["npu", "cuda", "cpu"]), default=None,
                              help="Default: npu if torch_npu imports, else cuda, else cpu.")
+devices_option = click.option(
+    "--devices", type=click.IntRange(min=1), default=1, show_default=True,
+    help="Split the model over N devices of this machine, one process each: attention, GatedDeltaNet and MLPs by "
+         "heads and channels (tensor parallel), the routed experts by expert (expert parallel, tokens dispatched "
+         "as BF16 or int8 per layer). Rank 0 reads the inputs and writes the outputs. Under torchrun, not needed.")
 dtype_option = click.option("--dtype", type=click.Choice(["bfloat16", "float16", "float32", "float64"]),
                             default="bfloat16", show_default=True)
+
+
+def echo_to_stderr(message: str) -> None:
+    """A progress line for the user (picklable: rank 0 of a --devices run gets it)."""
+    click.echo(message, err=True)
 
 
 def _report_problems(subject: Path, problems: list[str]) -> None:
@@ -234,18 +244,24 @@ def verify_release_cmd(release: Path) -> None:
 @click.option("--top-p", type=click.FloatRange(0.0, 1.0, min_open=True), default=1.0, show_default=True)
 @click.option("--seed", type=int, default=0, show_default=True)
 @device_option
+@devices_option
 @dtype_option
 @click.option("--json", "as_json", is_flag=True, help="Print token ids, text and acceptance statistics as JSON.")
 def generate_cmd(model: Path, texts: tuple[str, ...], id_prompts: tuple[str, ...], max_new_tokens: int, mtp: int,
-                 temperature: float, top_p: float, seed: int, device: str | None, dtype: str, as_json: bool) -> None:
+                 temperature: float, top_p: float, seed: int, device: str | None, devices: int, dtype: str,
+                 as_json: bool) -> None:
     """Generate from MODEL (a BF16 source or a W8A8 artifact) with the built-in runtime."""
     import json
 
     from npuport.runtime.sampling import SamplingParams
+    from npuport.runtime.several_devices import check_split, on_devices
     from npuport.runtime.textgen import format_report, run_generate
 
-    report = run_generate(model, texts, id_prompts, max_new_tokens, mtp, SamplingParams(temperature, top_p, seed),
-                          device, dtype)
+    check_split(model, devices)
+    report = on_devices(run_generate, (model, texts, id_prompts, max_new_tokens, mtp,
+                                       SamplingParams(temperature, top_p, seed), device, dtype), devices, device)
+    if report is None:  # a torchrun rank other than 0: rank 0 prints
+        return
     click.echo(json.dumps(report, indent=2) if as_json else format_report(report))
 
 
@@ -285,6 +301,7 @@ from npuport.runtime.validation.gsm8k import DEFAULT_PROTOCOL, LM_EVAL_SEED, MAX
 @click.option("--retries", type=click.IntRange(min=0), default=3, show_default=True,
               help="Retries of a request that failed to connect, timed out or got HTTP 429/5xx (waits 1, 2, 4 s...).")
 @device_option
+@devices_option
 @dtype_option
 @click.option("--fidelity-questions", type=click.IntRange(min=1), default=None,
               help="Fidelity on the first N questions only (default: all of them).")
@@ -303,7 +320,7 @@ from npuport.runtime.validation.gsm8k import DEFAULT_PROTOCOL, LM_EVAL_SEED, MAX
 def validate_cmd(artifact: Path, gsm8k: bool, protocol: str, data: Path | None, num_questions: int | None,
                  shots: int | None, max_new_tokens: int, batch_size: int, mtp: int, seed: int, reference: Path | None,
                  endpoint: str | None, endpoint_model: str | None, parallel: int, timeout_s: float, retries: int,
-                 device: str | None, dtype: str, fidelity_questions: int | None, throughput: bool,
+                 device: str | None, devices: int, dtype: str, fidelity_questions: int | None, throughput: bool,
                  max_accuracy_drop: float, min_acceptance: float | None, chat_template_kwargs: str | None,
                  out: Path | None) -> None:
     """Validate the W8A8 ARTIFACT: GSM8K accuracy, and with --reference the paired difference and fidelity
@@ -311,6 +328,7 @@ def validate_cmd(artifact: Path, gsm8k: bool, protocol: str, data: Path | None, 
     Exits 1 when a gate fails."""
     import json
 
+    from npuport.runtime.several_devices import check_split, on_devices
     from npuport.runtime.validation.validate import ValidateOptions, run_validation
 
     try:
@@ -322,8 +340,14 @@ def validate_cmd(artifact: Path, gsm8k: bool, protocol: str, data: Path | None, 
     options = ValidateOptions(artifact, protocol, data, num_questions, shots, max_new_tokens, batch_size, mtp, seed,
                               reference, endpoint, endpoint_model, parallel, timeout_s, retries, device, dtype,
                               fidelity_questions, throughput, max_accuracy_drop, min_acceptance, template_kwargs)
-    outcome = run_validation(options, out or Path(f"validation-{artifact.resolve().name}"),
-                             log=lambda m: click.echo(m, err=True))
+    if devices > 1 and endpoint:
+        raise NpuportError("--devices splits the built-in runtime's model; with --endpoint the server runs it")
+    for model in (artifact, reference) if reference is not None else (artifact,):
+        check_split(model, devices)
+    outcome = on_devices(run_validation, (options, out or Path(f"validation-{artifact.resolve().name}"),
+                                          echo_to_stderr), devices, device)
+    if outcome is None:  # a torchrun rank other than 0: rank 0 reports
+        return
     files = outcome.files
     click.echo(f"report: {files.markdown} ({files.json.name}, {len(files.plots)} plot(s), {outcome.completions.name})")
     for gate in outcome.report.gates:

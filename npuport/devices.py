@@ -107,6 +107,22 @@ def npu_core_count(device: torch.device, kind: str) -> int:
         return NPU_CORES_FALLBACK[kind]
 
 
+def device_count(kind: str) -> int | None:
+    """How many devices of `kind` this machine has; None for the host, which any number of processes share."""
+    if kind == "cpu":
+        return None
+    return getattr(torch, kind).device_count()  # torch.cuda / torch.npu
+
+
+def make_current(kind: str, index: int) -> torch.device:
+    """Device `index` of `kind`, made this process's current one (the host has no index)."""
+    if kind == "cpu":
+        return torch.device("cpu")
+    device = torch.device(kind, index)
+    getattr(torch, kind).set_device(device)
+    return device
+
+
 def distributed_backend(device: torch.device) -> str:
     """The torch.distributed backend for processes on `device`: NCCL on CUDA, HCCL on Ascend (torch_npu), gloo on
     CPU."""

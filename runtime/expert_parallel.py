@@ -3,12 +3,15 @@ group in equal contiguous ranges, each rank routing its own tokens, sending each
 holds one of its experts - BF16, or int8 values with per-token fp32 scales, as `runtime/dispatch.py` says for the
 layer - and summing the partial outputs that come back (all-to-all both ways, as sglang's DeepEP path does).
 
-The exchange sizes depend on the routing, so a step syncs with the host (the counts go first); it is the
-building block of the runtime's several-device mode, not yet wired into the model or the loader.
+The exchange sizes depend on the routing, so a step syncs with the host (the counts go first): steps of a model
+split over several ranks run without graphs. `recording_dispatch()` collects what each MoE layer put on the wire.
 """
 
 from __future__ import annotations
 
+import contextvars
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 
 import torch
@@ -51,8 +54,35 @@ class ExpertShard:
 class DispatchRecord:
     """What the dispatch of one call put on the wire towards other ranks, and what this rank received."""
 
+    layer: str = ""
+    tokens: int = 0  # this rank's tokens in the call
+    payload: torch.dtype | None = None  # what the token values travelled as: int8, or the activations' dtype
     sent_bytes: int = 0  # token payload (values and scales) sent to the other ranks
     received: list[torch.Tensor] = field(default_factory=list)  # the token values that arrived, one per rank
+
+
+_records: contextvars.ContextVar[list[DispatchRecord] | None] = contextvars.ContextVar("npuport_dispatch_records",
+                                                                                       default=None)
+
+
+@contextmanager
+def recording_dispatch() -> Iterator[list[DispatchRecord]]:
+    """Inside the block (this thread / task), every expert-parallel MoE call appends its DispatchRecord to the
+    list yielded, in call order."""
+    token = _records.set([])
+    try:
+        yield _records.get()
+    finally:
+        _records.reset(token)
+
+
+def traffic_record(layer: str) -> DispatchRecord | None:
+    """A new record for a call of MoE layer `layer`, kept in the recording_dispatch() list; None outside one."""
+    records = _records.get()
+    if records is None:
+        return None
+    records.append(DispatchRecord(layer))
+    return records[-1]
 
 
 def expert_parallel_experts(x: torch.Tensor, weights: torch.Tensor, expert_ids: torch.Tensor,
@@ -67,15 +97,19 @@ def expert_parallel_experts(x: torch.Tensor, weights: torch.Tensor, expert_ids: 
     if int8 and not local.quantized:
         raise NpuportError("int8 dispatch into BF16 experts: they cannot take int8 tokens")
     rank, world = dist.get_rank(group), dist.get_world_size(group)
+    hidden, top_k = x.shape[1], expert_ids.shape[1]
     owner = expert_ids // shard.per_rank  # [M, top_k]
     tokens = quantize_per_token_int8(x) if int8 else None
-    sends = []
+    sends = []  # per rank: (rows, token payload, routing)
     for r in range(world):
         rows = (owner == r).any(1).nonzero().squeeze(1)
         on_r = owner[rows] == r
         ids = torch.where(on_r, expert_ids[rows] - r * shard.per_rank, 0)  # slots elsewhere: weight 0
-        payload = [tokens[0][rows], tokens[1][rows]] if int8 else [x[rows]]
-        sends.append((rows, payload, ids, torch.where(on_r, weights[rows], 0)))
+        # int8 values with each token's fp32 scale as 4 more bytes, or the float tokens
+        payload = torch.cat([tokens[0][rows], tokens[1][rows].view(torch.int8)], 1) if int8 else x[rows]
+        # the expert ids (int32) bit for bit in fp32 lanes beside the weights: one message
+        routing = torch.cat([ids.int().view(torch.float32), torch.where(on_r, weights[rows], 0).float()], 1)
+        sends.append((rows, payload, routing))
     counts = _exchange([torch.tensor([len(s[0])], device=x.device) for s in sends],
                        [torch.zeros(1, dtype=torch.long, device=x.device) for _ in range(world)], group)
     n_in = [int(c) for c in counts]
@@ -83,23 +117,24 @@ def expert_parallel_experts(x: torch.Tensor, weights: torch.Tensor, expert_ids: 
     def across(parts: list[torch.Tensor]) -> list[torch.Tensor]:
         return _exchange(parts, [parts[0].new_empty((n, *parts[0].shape[1:])) for n in n_in], group)
 
-    got = [across([s[1][i] for s in sends]) for i in range(len(sends[0][1]))]
-    got_ids, got_weights = across([s[2] for s in sends]), across([s[3] for s in sends])
+    got, got_routing = across([s[1] for s in sends]), torch.cat(across([s[2] for s in sends]))
+    values = [g[:, :hidden] for g in got]
     if record is not None:
-        record.sent_bytes += sum(t.numel() * t.element_size() for r, s in enumerate(sends) if r != rank for t in s[1])
-        record.received = got[0]
-    # Each received token through this rank's experts; slots held elsewhere carry weight 0 and add nothing.
-    shares = []
-    for r in range(world):
-        if int8:
-            rows_x = x.new_empty(n_in[r], x.shape[1])  # only its dtype and shape matter with int8 tokens
-            shares.append(fused_experts(rows_x, local, got_weights[r], got_ids[r], (got[0][r], got[1][r])))
-        else:
-            shares.append(fused_experts(got[0][r], local, got_weights[r], got_ids[r]))
-    back = _exchange(shares, [x.new_empty(len(s[0]), x.shape[1]) for s in sends], group)
+        record.sent_bytes += sum(s[1].numel() * s[1].element_size() for r, s in enumerate(sends) if r != rank)
+        record.received, record.payload, record.tokens = values, values[0].dtype, x.shape[0]
+    # Every received token through this rank's experts at once; slots held elsewhere carry weight 0.
+    ids = got_routing[:, :top_k].contiguous().view(torch.int32).long()
+    route_weights = got_routing[:, top_k:].to(x.dtype)
+    arrived = torch.cat(got)
+    if int8:
+        quantized = (arrived[:, :hidden].contiguous(), arrived[:, hidden:].contiguous().view(torch.float32))
+        share = fused_experts(x.new_empty(len(arrived), hidden), local, route_weights, ids, quantized)
+    else:
+        share = fused_experts(arrived, local, route_weights, ids)
+    back = _exchange(list(share.split(n_in)), [x.new_empty(len(s[0]), hidden) for s in sends], group)
     total = torch.zeros(x.shape, dtype=wide_dtype(x.dtype), device=x.device)
-    for (rows, *_), share in zip(sends, back, strict=True):  # rank order
-        total.index_add_(0, rows, share.to(total.dtype))
+    for (rows, *_), part in zip(sends, back, strict=True):  # rank order
+        total.index_add_(0, rows, part.to(total.dtype))
     return total.to(x.dtype)
 
 

@@ -15,6 +15,7 @@ import torch
 from npuport.devices import DeviceGraph, graphs_supported
 from npuport.errors import NpuportError
 from npuport.kernels.gated_delta_rule import VerifyLog
+from npuport.runtime.lockstep import mirrored
 from npuport.runtime.model import Qwen35
 from npuport.runtime.sampling import SamplingParams, accept_drafts, greedy_accept, make_generator, sample
 from npuport.runtime.state import GDNState, ModelState, commit_accepted, reset_state
@@ -396,11 +397,14 @@ class Steps:
 
 def use_graphs(model: Qwen35, graphs: bool | None) -> bool:
     """Capture steps as graphs: by default where the device supports it (MoE too: its routing stays on the
-    device, in shapes fixed by the batch)."""
+    device, in shapes fixed by the batch) and the model is on one device (expert parallelism exchanges
+    routing-dependent counts through the host)."""
+    supported = graphs_supported(model.device) and not model.parallel.active
     if graphs is None:
-        return graphs_supported(model.device)
-    if graphs and not graphs_supported(model.device):
-        raise NpuportError(f"graph capture is not available on {model.device}")
+        return supported
+    if graphs and not supported:
+        where = "a model split over several devices" if model.parallel.active else str(model.device)
+        raise NpuportError(f"graph capture is not available on {where}")
     return graphs
 
 
@@ -442,6 +446,7 @@ def reusable_steps(model: Qwen35, batch: int, capacity: int, mtp: int, graphs: b
         lock.release()
 
 
+@mirrored
 @torch.no_grad()
 def generate(model: Qwen35, prompts: Sequence[Sequence[int]], max_new_tokens: int, *, mtp: int = 0,
              sampling: SamplingParams | None = None, stop_tokens: Iterable[int] = (),
@@ -511,6 +516,7 @@ def _generate(model: Qwen35, steps: Steps, tokens: torch.Tensor, lengths: torch.
     return GenerationResult(out.tokens, out.reasons, stats)
 
 
+@mirrored
 @torch.no_grad()
 def forward_logits(model: Qwen35, prompts: Sequence[Sequence[int]]) -> tuple[torch.Tensor, list[torch.Tensor]]:
     """One prefill from empty caches, for fidelity checks: logits [B, T, V] (rows past a prompt's length

@@ -24,7 +24,9 @@ from npuport.jsonfile import read_json_object
 from npuport.paths import file_inside, hub_cache_blobs
 from npuport.runtime.config import ModelConfig, load_config
 from npuport.runtime.linear import Linear, W8A8Linear
+from npuport.runtime.lockstep import mirrored_load
 from npuport.runtime.model import Experts, Qwen35
+from npuport.runtime.parallel import Parallel, Part, weight_part
 
 LABELS = (FLOAT, W8A8_DYNAMIC)
 _MTP_LAYER = re.compile(r"^mtp\.layers\.(\d+)\.")
@@ -98,9 +100,11 @@ class Checkpoint:
             raise self.error(f"tensor {name} has label {label!r}, which this runtime cannot load (known: {known})")
         return label
 
-    def read(self, name: str, shape: tuple[int, ...], kind: str, index: int | None = None) -> torch.Tensor:
+    def read(self, name: str, shape: tuple[int, ...], kind: str, index: int | None = None,
+             part: Part | None = None) -> torch.Tensor:
         """Tensor `name`, checked to have `shape` and dtype kind 'float' or 'int8'; with `index`, only
-        tensor[index] is read (one expert of a fused expert tensor)."""
+        tensor[index] is read (one expert of a fused expert tensor); with `part`, only those rows or columns
+        (one rank's share)."""
         if name not in self.files:
             raise self.error(f"tensor {name} is missing")
         handle = self._handle(name)
@@ -110,7 +114,11 @@ class Checkpoint:
             raise self.error(f"tensor {name} is not in {self.files[name].name}: {e}") from None
         if tuple(piece.get_shape()) != tuple(shape):
             raise self.error(f"tensor {name} has shape {list(piece.get_shape())}, expected {list(shape)}")
-        tensor = handle.get_tensor(name) if index is None else piece[index]
+        if part is not None:
+            at = (slice(None),) * part.dim
+            tensor = torch.cat([piece[(*at, slice(a, b))] for a, b in part.ranges], dim=part.dim)
+        else:
+            tensor = handle.get_tensor(name) if index is None else piece[index]
         if (kind == "int8") != (tensor.dtype == torch.int8) or (kind == "float" and not tensor.is_floating_point()):
             expected = "int8" if kind == "int8" else "a float dtype"
             raise self.error(f"tensor {name} is {tensor.dtype}, expected {expected}")
@@ -123,19 +131,31 @@ def _checkpoint_name(name: str, prefix: str) -> str:
 
 
 class _Loader:
-    def __init__(self, ckpt: Checkpoint, config: ModelConfig, dtype: torch.dtype, device: torch.device) -> None:
-        self.ckpt, self.n_experts, self.dtype, self.device = ckpt, config.num_experts, dtype, device
+    """Reads each tensor into its place, only this rank's part of it (parallel.weight_part, ExpertShard)."""
+
+    def __init__(self, ckpt: Checkpoint, config: ModelConfig, dtype: torch.dtype, device: torch.device,
+                 parallel: Parallel) -> None:
+        self.ckpt, self.config, self.dtype, self.device, self.parallel = ckpt, config, dtype, device, parallel
+        self.n_experts = config.num_experts
         self.prefix = text_prefix(ckpt.files)
+
+    def part(self, name: str) -> Part | None:
+        return weight_part(name, self.config, self.parallel)
+
+    def shape_of(self, name: str, local_shape: tuple[int, ...]) -> tuple[int, ...]:
+        """The checkpoint's shape of tensor `name` (the runtime's name) of which this rank holds local_shape."""
+        part = self.part(name)
+        return local_shape if part is None else part.full_shape(local_shape)
 
     def put(self, t: torch.Tensor) -> torch.Tensor:
         return t.to(device=self.device, dtype=self.dtype if t.is_floating_point() else t.dtype)
 
     def float_tensor(self, name: str, shape: tuple[int, ...]) -> torch.Tensor:
-        """A FLOAT tensor of the runtime's `name`."""
+        """A FLOAT tensor of the runtime's `name`, this rank's `shape` of it."""
         ck = _checkpoint_name(name, self.prefix)
         if self.ckpt.label(ck) != FLOAT:
             raise self.ckpt.error(f"tensor {ck} is labelled {self.ckpt.label(ck)}, expected {FLOAT}")
-        return self.put(self.ckpt.read(ck, shape, "float"))
+        return self.put(self.ckpt.read(ck, self.shape_of(name, shape), "float", part=self.part(name)))
 
     def linear(self, name: str, module: Linear) -> tuple[torch.nn.Module, dict[str, torch.Tensor]]:
         """The module for linear layer `name` by its label, and its tensors."""
@@ -145,15 +165,18 @@ class _Loader:
             return module, {"weight": self.float_tensor(name + ".weight", shape)}
         if name == "lm_head":
             raise self.ckpt.error(f"tensor {ck}.weight is labelled {W8A8_DYNAMIC}; lm_head must be {FLOAT}")
-        weight, scale = self.w8a8(ck, shape)
+        weight, scale = self.w8a8(ck, self.shape_of(name + ".weight", shape), self.part(name + ".weight"),
+                                  self.part(name + ".weight_scale"))
         with torch.device("meta"):
             quantized = W8A8Linear(module.in_features, module.out_features, self.dtype)
         return quantized, {"weight": weight.to(self.device), "weight_scale": scale.float().to(self.device)}
 
-    def w8a8(self, ck: str, shape: tuple[int, int]) -> tuple[torch.Tensor, torch.Tensor]:
-        """The int8 weight [N, K] and its scales [N, 1] of W8A8 layer `ck` (checkpoint name, no `.weight`)."""
-        weight = self.ckpt.read(ck + ".weight", shape, "int8")
-        scale = self.ckpt.read(ck + ".weight_scale", (shape[0], 1), "float")
+    def w8a8(self, ck: str, shape: tuple[int, int], part: Part | None = None, scale_part: Part | None = None
+             ) -> tuple[torch.Tensor, torch.Tensor]:
+        """The int8 weight [N, K] and its scales [N, 1] of W8A8 layer `ck` (checkpoint name, no `.weight`); of
+        the weight only `part`, of the scales only `scale_part` (one rank's)."""
+        weight = self.ckpt.read(ck + ".weight", shape, "int8", part=part)
+        scale = self.ckpt.read(ck + ".weight_scale", (shape[0], 1), "float", part=scale_part)
         offset = self.ckpt.read(ck + ".weight_offset", (shape[0], 1), "float")
         if bool(offset.ne(0).any()):
             raise self.ckpt.error(f"tensor {ck}.weight_offset is not all zeros (the scheme is symmetric)")
@@ -162,12 +185,15 @@ class _Loader:
     def experts(self, name: str, module: Experts) -> tuple[Experts, dict[str, torch.Tensor]]:
         """The stacked experts of MoE layer `name` (`...mlp.experts`), filled one expert at a time straight into
         their place on the device (never a second copy of the layer): from fused `gate_up_proj [E, 2I, H]` /
-        `down_proj [E, H, I]` (BF16 sources) or per-expert `E.{gate,up,down}_proj` tensors, BF16 or W8A8."""
+        `down_proj [E, H, I]` (BF16 sources) or per-expert `E.{gate,up,down}_proj` tensors, BF16 or W8A8. On
+        several ranks, only this rank's experts (module holds their count; ExpertShard says which)."""
         ck = _checkpoint_name(name, self.prefix)
         e_count, two_i, hidden = module.gate_up_proj.shape
+        first = self.parallel.rank * e_count  # ExpertShard: contiguous equal ranges
+        global_ids = range(first, first + e_count)
         i = two_i // 2
         per_expert = {"gate_proj": (i, hidden), "up_proj": (i, hidden), "down_proj": (hidden, i)}
-        labels = {self.ckpt.label(f"{ck}.{e}.{p}.weight") for e in range(e_count) for p in per_expert
+        labels = {self.ckpt.label(f"{ck}.{e}.{p}.weight") for e in global_ids for p in per_expert
                   if f"{ck}.{e}.{p}.weight" in self.ckpt}
         if len(labels) > 1:
             raise self.ckpt.error(f"the experts of {ck} carry different labels {sorted(labels)}; one layer, one label")
@@ -177,15 +203,15 @@ class _Loader:
         out = {n: torch.empty(b.shape, dtype=b.dtype if quantized else self.dtype, device=self.device)
                for n, b in built.state_dict().items()}
         rows = {"gate_proj": slice(0, i), "up_proj": slice(i, two_i), "down_proj": slice(None)}
-        for e in range(e_count):
+        for e, g in enumerate(global_ids):
             if not quantized:
-                self.copy_float_expert(ck, e, "gate_up_proj", {p: rows[p] for p in ("gate_proj", "up_proj")},
+                self.copy_float_expert(ck, g, "gate_up_proj", {p: rows[p] for p in ("gate_proj", "up_proj")},
                                        out["gate_up_proj"][e])
-                self.copy_float_expert(ck, e, "down_proj", {"down_proj": rows["down_proj"]}, out["down_proj"][e])
+                self.copy_float_expert(ck, g, "down_proj", {"down_proj": rows["down_proj"]}, out["down_proj"][e])
                 continue
             for proj, shape in per_expert.items():
                 target = "down_proj" if proj == "down_proj" else "gate_up_proj"
-                weight, scale = self.w8a8(f"{ck}.{e}.{proj}", shape)
+                weight, scale = self.w8a8(f"{ck}.{g}.{proj}", shape)
                 out[target][e, rows[proj]].copy_(weight)
                 out[f"{target}_scale"][e, rows[proj]].copy_(scale.float().reshape(-1))
         return built, out
@@ -209,10 +235,12 @@ class _Loader:
         dst.copy_(self.ckpt.read(fused, (self.n_experts, *dst.shape), "float", index=e))
 
 
+@mirrored_load
 def load_model(path: Path | str, device: torch.device | str | None = None,
-               dtype: torch.dtype = torch.bfloat16) -> Qwen35:
+               dtype: torch.dtype = torch.bfloat16, parallel: Parallel | None = None) -> Qwen35:
     """The model in folder `path` (BF16 source or W8A8 artifact), with its MTP head when it has one, on
-    `device` (default: pick_device()) with float tensors in `dtype`."""
+    `device` (default: pick_device()) with float tensors in `dtype`; with `parallel`, this rank's part of it
+    (runtime/parallel.py), no other part ever read."""
     ckpt = Checkpoint(Path(path))
     config = load_config(ckpt.path, ckpt.blobs)
     check_against_config(ckpt.path, config, {name: e.shape for name, e in ckpt.entries.items()},
@@ -222,9 +250,10 @@ def load_model(path: Path | str, device: torch.device | str | None = None,
         config = dataclasses.replace(config, mtp_num_hidden_layers=len(mtp_layers))
     with_mtp = "mtp.fc.weight" in ckpt and config.mtp_num_hidden_layers > 0
     device = torch.device(device) if device is not None else pick_device()
-    loader = _Loader(ckpt, config, dtype, device)
+    parallel = parallel or Parallel()
+    loader = _Loader(ckpt, config, dtype, device, parallel)
     with torch.device("meta"):
-        model = Qwen35(config, with_mtp)
+        model = Qwen35(config, with_mtp, parallel)
     tensors: dict[str, torch.Tensor] = {}
     for name, module in list(model.named_modules()):
         if isinstance(module, Linear | Experts):

@@ -28,7 +28,9 @@ from npuport.kernels.rms_norm import add_rms_norm, rms_norm
 from npuport.kernels.rope import rms_norm_rope
 from npuport.runtime.config import FULL_ATTENTION, ModelConfig
 from npuport.runtime.dispatch import dispatch, int8_dispatch
+from npuport.runtime.expert_parallel import ExpertShard, expert_parallel_experts, traffic_record
 from npuport.runtime.linear import Linear, QuantizedActivation, StackedLinear, W8A8Linear, project, stack_linears
+from npuport.runtime.parallel import Parallel, local_config, row_parallel
 from npuport.runtime.state import GDNState, KVCache, ModelState, new_mtp_state, new_target_state
 
 
@@ -101,11 +103,12 @@ def attend(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, start: tor
 
 class Attention(nn.Module):
     """Gated full attention: q_proj gives [q | gate] per head, q/k RMSNorm per head, partial RoPE,
-    o_proj(attention * sigmoid(gate))."""
+    o_proj(attention * sigmoid(gate)). config: this rank's sizes (parallel.local_config); o_proj row-parallel."""
 
-    def __init__(self, config: ModelConfig) -> None:
+    def __init__(self, config: ModelConfig, parallel: Parallel) -> None:
         super().__init__()
         h, d = config.hidden_size, config.head_dim
+        self.parallel = parallel
         self.n_heads, self.n_kv_heads, self.head_dim = config.num_attention_heads, config.num_key_value_heads, d
         self.q_proj = Linear(h, 2 * self.n_heads * d)
         self.k_proj = Linear(h, self.n_kv_heads * d)
@@ -128,19 +131,22 @@ class Attention(nn.Module):
         v = v.view(b, t, self.n_kv_heads, self.head_dim)
         if step.static_shapes:  # a decode / verify step, without a host sync: the whole caches, the gate fused
             write_kv(cache.k, cache.v, step.start, k, v)
-            return self.o_proj(decode_attention(q, cache.k, cache.v, step.start, gate).reshape(b, t, -1))
+            out = decode_attention(q, cache.k, cache.v, step.start, gate).reshape(b, t, -1)
+            return row_parallel(self.o_proj, out, self.parallel)
         keys, values = cache.update(step.start, k, v)
         out = attend(q, keys, values, step.start).reshape(b, t, -1)
-        return self.o_proj(out * torch.sigmoid(gate.reshape(b, t, -1)))
+        return row_parallel(self.o_proj, out * torch.sigmoid(gate.reshape(b, t, -1)), self.parallel)
 
 
 class GatedDeltaNet(nn.Module):
     """Linear attention: in_proj_qkv -> causal conv1d + SiLU -> q, k, v; gating from in_proj_a / in_proj_b;
-    the gated delta rule over an fp32 state; gated RMSNorm with in_proj_z; out_proj."""
+    the gated delta rule over an fp32 state; gated RMSNorm with in_proj_z; out_proj. config: this rank's sizes
+    (its key and value heads); out_proj row-parallel."""
 
-    def __init__(self, config: ModelConfig) -> None:
+    def __init__(self, config: ModelConfig, parallel: Parallel) -> None:
         super().__init__()
         h = config.hidden_size
+        self.parallel = parallel
         self.n_k_heads, self.n_v_heads = config.linear_num_key_heads, config.linear_num_value_heads
         self.k_dim, self.v_dim = config.linear_key_head_dim, config.linear_value_head_dim
         conv_dim = config.conv_dim
@@ -191,14 +197,16 @@ class GatedDeltaNet(nn.Module):
             out, final = chunk_gated_delta_rule(q, k, v, g, beta, state.current())
             state.set_current(final)
         z = z.view(b, t, self.n_v_heads, self.v_dim)
-        return self.out_proj(self.norm(out, z).reshape(b, t, -1))
+        return row_parallel(self.out_proj, self.norm(out, z).reshape(b, t, -1), self.parallel)
 
 
 class MLP(nn.Module):
-    """down(silu(gate(x)) * up(x)); x may be int8 tokens when gate/up are W8A8."""
+    """down(silu(gate(x)) * up(x)); x may be int8 tokens when gate/up are W8A8. intermediate: this rank's
+    channels; down_proj row-parallel."""
 
-    def __init__(self, hidden: int, intermediate: int) -> None:
+    def __init__(self, hidden: int, intermediate: int, parallel: Parallel) -> None:
         super().__init__()
+        self.parallel = parallel
         self.gate_proj = Linear(hidden, intermediate)
         self.up_proj = Linear(hidden, intermediate)
         self.down_proj = Linear(intermediate, hidden)
@@ -207,13 +215,14 @@ class MLP(nn.Module):
     def stack_projections(self) -> None:
         self.gate_up = stack_linears([self.gate_proj, self.up_proj])
 
-    def forward(self, x: torch.Tensor | QuantizedActivation) -> torch.Tensor:
+    def forward(self, x: torch.Tensor | QuantizedActivation, reduce: bool = True) -> torch.Tensor:
+        """reduce=False: on several ranks, this rank's partial sum of the output (see row_parallel)."""
         gate, up = project(self.gate_up, (self.gate_proj, self.up_proj), x)
-        return self.down_proj(F.silu(gate) * up)
+        return row_parallel(self.down_proj, F.silu(gate) * up, self.parallel, reduce)
 
     def as_expert(self) -> StackedExperts | None:
         """The MLP as a single stacked expert (views, no copy) once stack_projections() ran, else None."""
-        if self.gate_up is None:
+        if self.gate_up is None or self.parallel.active:
             return None
         down = self.down_proj.weight
         if self.gate_up.scale is None:
@@ -258,15 +267,19 @@ class Experts(nn.Module):
 class MoE(nn.Module):
     """Softmax router (fp32) with renormalized top-k over the stacked experts, plus a sigmoid-gated shared
     expert; routing and experts run on the device without a host synchronisation (a step can be captured as a
-    graph). Tokens go to the experts as BF16 or as int8 + per-token scales, as dispatch.py says."""
+    graph). Tokens go to the experts as BF16 or as int8 + per-token scales, as dispatch.py says. On several
+    ranks each holds ExpertShard's share of the experts and of the shared expert's channels; each routes its
+    slice of the tokens (Parallel.token_rows) and sends them to the ranks holding their experts
+    (expert_parallel.py) - that is where the dispatch switch decides what travels."""
 
-    def __init__(self, config: ModelConfig, name: str) -> None:
+    def __init__(self, config: ModelConfig, name: str, parallel: Parallel) -> None:
         super().__init__()
         h = config.hidden_size
-        self.name, self.top_k = name, config.num_experts_per_tok
+        self.name, self.top_k, self.parallel = name, config.num_experts_per_tok, parallel
+        self.shard = ExpertShard(config.num_experts, parallel.world)
         self.gate = Linear(h, config.num_experts)
-        self.experts = Experts(config.num_experts, h, config.moe_intermediate_size)
-        self.shared_expert = MLP(h, config.shared_expert_intermediate_size)
+        self.experts = Experts(self.shard.per_rank, h, config.moe_intermediate_size)
+        self.shared_expert = MLP(h, config.shared_expert_intermediate_size, parallel)
         self.shared_expert_gate = Linear(h, 1)
         self.router: StackedLinear | None = None  # gate and shared_expert_gate as one GEMM once stacked
 
@@ -282,29 +295,45 @@ class MoE(nn.Module):
         flat = x.reshape(-1, x.shape[-1])
         router_logits, shared_logit = project(self.router, (self.gate, self.shared_expert_gate), flat)
         weights, chosen = route_top_k(router_logits, self.top_k, x.dtype)  # [M, top_k]
-        tokens = QuantizedActivation.quantize(flat) if int8_dispatch(self.experts_quantized, self.name) else None
+        int8 = int8_dispatch(self.experts_quantized, self.name)
         shared_weight = torch.sigmoid(shared_logit)  # [M, 1]
+        if self.parallel.active:
+            return self.parallel_forward(flat, weights, chosen, shared_weight, int8).view(x.shape)
+        # On one device int8 and BF16 dispatch give W8A8 experts the same int8 values: the experts' kernels
+        # quantize the tokens themselves (int8_dispatch above still refuses int8 into BF16 experts).
         shared = self.shared_expert.as_expert()
         if shared is None:
-            routed = self.experts(flat, weights, chosen, tokens)
+            routed = self.experts(flat, weights, chosen)
             return (routed + shared_weight * self.shared_expert(flat)).view(x.shape)
-        tokens = None if tokens is None else (tokens.values, tokens.scales)
-        return routed_and_shared_experts(flat, self.experts.stacked(), weights, chosen, shared, shared_weight,
-                                         tokens).view(x.shape)
+        return routed_and_shared_experts(flat, self.experts.stacked(), weights, chosen, shared,
+                                         shared_weight).view(x.shape)
+
+    def parallel_forward(self, flat: torch.Tensor, weights: torch.Tensor, chosen: torch.Tensor,
+                         shared_weight: torch.Tensor, int8: bool) -> torch.Tensor:
+        """forward on several ranks, flat [M, H] the same on each: this rank's token slice through the
+        experts of every rank (dispatch and combine), its partial shared-expert sum for every token, one
+        all-reduce adding both up."""
+        mine = self.parallel.token_rows(flat.shape[0])
+        routed = expert_parallel_experts(flat[mine], weights[mine], chosen[mine], self.experts.stacked(), self.shard,
+                                         int8, self.parallel.group, traffic_record(self.name))
+        out = shared_weight * self.shared_expert(flat, reduce=False)
+        out[mine] += routed
+        return self.parallel.all_reduce(out)
 
 
 class DecoderLayer(nn.Module):
     """x += mixer(input_layernorm(x)); x += mlp(post_attention_layernorm(x))."""
 
-    def __init__(self, config: ModelConfig, kind: str, name: str) -> None:
+    def __init__(self, config: ModelConfig, kind: str, name: str, parallel: Parallel) -> None:
         super().__init__()
         self.kind = kind
         if kind == FULL_ATTENTION:
-            self.self_attn = Attention(config)
+            self.self_attn = Attention(config, parallel)
         else:
-            self.linear_attn = GatedDeltaNet(config)
+            self.linear_attn = GatedDeltaNet(config, parallel)
         h = config.hidden_size
-        self.mlp = MoE(config, f"{name}.mlp") if config.is_moe else MLP(h, config.intermediate_size)
+        self.mlp = (MoE(config, f"{name}.mlp", parallel) if config.is_moe
+                    else MLP(h, config.intermediate_size, parallel))
         self.input_layernorm = RMSNorm(h, config.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(h, config.rms_norm_eps)
 
@@ -336,16 +365,17 @@ def run_layers(layers: Iterable[DecoderLayer], states: Iterable[KVCache | GDNSta
 
 class MTPHead(nn.Module):
     """x = fc([pre_fc_norm_embedding(embed(token_{i+1})), pre_fc_norm_hidden(hidden_i)]) -> full-attention
-    decoder layer(s) -> norm. embed_tokens and lm_head are the target's."""
+    decoder layer(s) -> norm. embed_tokens and lm_head are the target's. config: this rank's sizes."""
 
-    def __init__(self, config: ModelConfig) -> None:
+    def __init__(self, config: ModelConfig, parallel: Parallel) -> None:
         super().__init__()
         h, eps = config.hidden_size, config.rms_norm_eps
         self.fc = Linear(2 * h, h)
         self.pre_fc_norm_embedding = RMSNorm(h, eps)
         self.pre_fc_norm_hidden = RMSNorm(h, eps)
         self.layers = nn.ModuleList(
-            DecoderLayer(config, FULL_ATTENTION, f"mtp.layers.{i}") for i in range(config.mtp_num_hidden_layers)
+            DecoderLayer(config, FULL_ATTENTION, f"mtp.layers.{i}", parallel)
+            for i in range(config.mtp_num_hidden_layers)
         )
         self.norm = RMSNorm(h, eps)
 
@@ -369,20 +399,22 @@ ROPE_TABLE_STEP = 4096
 
 
 class Qwen35(nn.Module):
-    """embed -> decoder layers -> norm -> lm_head (tied to embed_tokens when there is none), plus the MTP head."""
+    """embed -> decoder layers -> norm -> lm_head (tied to embed_tokens when there is none), plus the MTP head.
+    On several ranks (parallel) each holds its part of every layer (parallel.py); the output is the same on all."""
 
-    def __init__(self, config: ModelConfig, with_mtp: bool) -> None:
+    def __init__(self, config: ModelConfig, with_mtp: bool, parallel: Parallel | None = None) -> None:
         super().__init__()
-        self.config = config
-        h = config.hidden_size
+        self.config, self.parallel = config, parallel or Parallel()
+        self.local_config = local_config(config, self.parallel)  # this rank's heads and channels
+        h, local = config.hidden_size, self.local_config
         self.embed_tokens = nn.Embedding(config.vocab_size, h)
         self.embed_tokens.weight.requires_grad_(False)
         self.layers = nn.ModuleList(
-            DecoderLayer(config, kind, f"layers.{i}") for i, kind in enumerate(config.layer_types)
+            DecoderLayer(local, kind, f"layers.{i}", self.parallel) for i, kind in enumerate(config.layer_types)
         )
         self.norm = RMSNorm(h, config.rms_norm_eps)
         self.lm_head = None if config.tie_word_embeddings else Linear(h, config.vocab_size)
-        self.mtp = MTPHead(config) if with_mtp else None
+        self.mtp = MTPHead(local, self.parallel) if with_mtp else None
 
     def stack_projections(self) -> None:
         stack_projections(self)
@@ -397,10 +429,10 @@ class Qwen35(nn.Module):
 
     def new_state(self, batch: int, capacity: int, spec_tokens: int = 0) -> ModelState:
         """Target state for `batch` requests of up to `capacity` positions, verifying spec_tokens + 1 at once."""
-        return new_target_state(self.config, batch, capacity, spec_tokens, self.dtype, self.device)
+        return new_target_state(self.local_config, batch, capacity, spec_tokens, self.dtype, self.device)
 
     def new_mtp_state(self, batch: int, capacity: int) -> ModelState:
-        return new_mtp_state(self.config, batch, capacity, self.dtype, self.device)
+        return new_mtp_state(self.local_config, batch, capacity, self.dtype, self.device)
 
     def make_step(self, start: torch.Tensor, t: int, n_valid: torch.Tensor | None, capacity: int) -> Step:
         """The Step of T = t tokens starting at positions start [B] (n_valid: see forward) of a state with room

@@ -77,6 +77,7 @@ def run_generate(model_dir: Path, texts: Sequence[str], id_prompts: Sequence[str
     return {
         "model": str(model_dir),
         "device": str(model.device),
+        "devices": model.parallel.world,
         "dtype": dtype,
         "mtp": mtp,
         "requests": requests,

@@ -197,13 +197,16 @@ def test_a_weighted_expert_added_to_a_base_equals_the_torch_sum(quantized):
     assert torch.equal(kernels, want)
 
 
-@pytest.mark.parametrize("quantized", [False, True], ids=["bf16", "w8a8"])
+@pytest.mark.parametrize(("quantized", "shared_quantized"), [(False, False), (True, True), (True, False)],
+                         ids=["bf16", "w8a8", "w8a8 with a bf16 shared expert"])
 @pytest.mark.parametrize(("m", "top_k", "experts", "kind"), [(1, 8, 256, "random"), (3, 4, 8, "same"),
                                                              (7, 2, 4, "few"), (20, 8, 16, "random")])
-def test_the_shared_expert_rides_along_as_one_more_slot(monkeypatch, quantized, m, top_k, experts, kind):
+def test_the_shared_expert_rides_along_as_one_more_slot(monkeypatch, quantized, shared_quantized, m, top_k, experts,
+                                                        kind):
     """A GPU's path (CPU tensors counted as a Triton device, interpreted): the shared expert one more slot of
     the mat-vec pipeline (few tokens), or beside the grouped GEMMs (m = 20: 160 routed pairs), against the loop
-    written out above plus the shared expert's own loop, all slots summed in fp32 and rounded once."""
+    written out above plus the shared expert's own loop, all slots summed in fp32 and rounded once. The W8A8
+    recipes keep the shared expert BF16 beside int8 routed experts: the kernels take both kinds in one launch."""
     import npuport.kernels.launch as launch_module
     from npuport.kernels.fused_moe import routed_and_shared_experts
 
@@ -213,7 +216,7 @@ def test_the_shared_expert_rides_along_as_one_more_slot(monkeypatch, quantized, 
     ids = routings(m, top_k, experts, kind, seed=m)
     weights = torch.softmax(torch.randn(m, top_k, generator=gen), -1).bfloat16()
     shared_weight = torch.rand(m, 1, generator=gen).bfloat16()
-    stacked, shared = random_experts(experts, quantized, seed=experts), random_experts(1, quantized, seed=99)
+    stacked, shared = random_experts(experts, quantized, seed=experts), random_experts(1, shared_quantized, seed=99)
     got = routed_and_shared_experts(x, stacked, weights, ids, shared, shared_weight)
     # the independent loop: each slot's product rounded to bf16, then summed in fp32 with the shared slot
     routed = torch.zeros(m, HIDDEN)

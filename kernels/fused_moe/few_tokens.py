@@ -12,6 +12,7 @@ import torch
 
 from npuport.kernels.fused_moe.experts import StackedExperts
 from npuport.kernels.launch import jit, launch, launch_options, persistent_grid, tl
+from npuport.kernels.w8a8.quantize import to_int8_values, token_scale
 
 
 @dataclass(frozen=True)
@@ -41,17 +42,45 @@ def few_tokens_config(pairs: int) -> FewTokensConfig:
 
 
 @jit
-def _row_times_tile(a_row, w_rows, k0, K, n_ok, BK: tl.constexpr, INT8: tl.constexpr):
-    """sum over k in [k0, k0 + BK) of a_row[k] * w_rows[n, k] -> [BN] (int32 for int8 operands, else fp32)."""
+def _row_times_tile(a_row, w_rows, k0, K, n_ok, BK: tl.constexpr, INT8: tl.constexpr, QUANTIZE: tl.constexpr,
+                    a_scale):
+    """sum over k in [k0, k0 + BK) of a_row[k] * w_rows[n, k] -> [BN] (int32 for int8 weights, else fp32). With
+    int8 weights and QUANTIZE, a_row is float and each value is quantized with a_scale on the way in (the values
+    quantize_per_token_int8 would give with that scale)."""
     rk = k0 + tl.arange(0, BK)
     k_ok = rk < K
     x = tl.load(a_row + rk, mask=k_ok, other=0)
     w = tl.load(w_rows + rk[None, :], mask=n_ok[:, None] & k_ok[None, :], other=0)
     if INT8:
-        products = tl.sum(w.to(tl.int32) * x.to(tl.int32)[None, :], 1)
+        if QUANTIZE:
+            x_int = to_int8_values(x.to(tl.float32), a_scale)
+        else:
+            x_int = x.to(tl.int32)
+        products = tl.sum(w.to(tl.int32) * x_int[None, :], 1)
     else:
         products = tl.sum(w.to(tl.float32) * x.to(tl.float32)[None, :], 1)
     return products
+
+
+@jit
+def _row_scale(a_row, K, BK: tl.constexpr):
+    """The per-token int8 scale of the float row a_row[0:K] (quantize_per_token_int8's)."""
+    rk = tl.arange(0, BK)
+    amax = tl.zeros([BK], dtype=tl.float32)
+    for k0 in range(0, K, BK):
+        amax = tl.maximum(amax, tl.abs(tl.load(a_row + k0 + rk, mask=k0 + rk < K, other=0.0).to(tl.float32)))
+    return token_scale(tl.max(amax, 0))
+
+
+@jit
+def _float_gate_up(a_row, gate_rows, up_rows, K, n_ok, BN: tl.constexpr, BK: tl.constexpr, dt):
+    """(gate, up) [BN] in dt of a float row through float weight rows (a float shared expert)."""
+    acc = tl.zeros([BN], dtype=tl.float32)
+    acc_up = tl.zeros([BN], dtype=tl.float32)
+    for k0 in range(0, K, BK):
+        acc += _row_times_tile(a_row, gate_rows, k0, K, n_ok, BK, False, False, 1.0)
+        acc_up += _row_times_tile(a_row, up_rows, k0, K, n_ok, BK, False, False, 1.0)
+    return acc.to(dt), acc_up.to(dt)
 
 
 # NPU budget (the default tiles): two weight tiles [32, 512] bf16 (2 x 32 KiB) and their fp32 products (2 x 64
@@ -59,11 +88,14 @@ def _row_times_tile(a_row, w_rows, k0, K, n_ok, BK: tl.constexpr, INT8: tl.const
 @jit
 def _pair_gate_up_kernel(a, a_scale, w, w_scale, shared_w, shared_scale, expert_ids, out, N, K, TOP_K, n_tasks,
                          sa_m, sw_e, sw_n, sws_e, so_m, BN: tl.constexpr, BK: tl.constexpr, INT8: tl.constexpr,
-                         SHARED: tl.constexpr):
+                         SHARED: tl.constexpr, QUANTIZE: tl.constexpr, SHARED_FLOAT: tl.constexpr):
     """Task t = (pair p = t // tiles_n, column tile): out[p, n] = silu(gate) * up of token p // SLOTS through
     the expert of slot p % SLOTS (gate rows n, up rows N + n of w [E, 2N, K]), rounded as grouped_gemm's GATED
     epilogue rounds. SLOTS = TOP_K routed slots (expert_ids [M, TOP_K]), plus, when SHARED, slot TOP_K: the
-    shared expert shared_w [2N, K] (same row stride as w)."""
+    shared expert shared_w [2N, K] (same row stride as w) - of w's kind, or a float one beside int8 routed
+    experts (SHARED_FLOAT). QUANTIZE: int8 experts, float tokens a, quantized per token here (the row's scale
+    from its absolute maximum, as quantize_per_token_int8) - no quantization launch, and the float row at hand
+    for a float shared expert."""
     tiles_n = (N + BN - 1) // BN
     slots = TOP_K + SHARED
     for task in range(tl.program_id(0), n_tasks, tl.num_programs(0)):
@@ -74,41 +106,85 @@ def _pair_gate_up_kernel(a, a_scale, w, w_scale, shared_w, shared_scale, expert_
         a_row = a + tl.cast(token, tl.int64) * sa_m
         expert = tl.load(expert_ids + token * TOP_K + tl.minimum(slot, TOP_K - 1)).to(tl.int64)
         gate_rows = w + expert * sw_e + rn[:, None].to(tl.int64) * sw_n
-        if SHARED:
+        if SHARED and not SHARED_FLOAT:
             gate_rows = tl.where(slot == TOP_K, shared_w + rn[:, None].to(tl.int64) * sw_n, gate_rows)
         up_rows = gate_rows + tl.cast(N, tl.int64) * sw_n
-        acc_type = tl.int32 if INT8 else tl.float32
-        acc = tl.zeros([BN], dtype=acc_type)
-        acc_up = tl.zeros([BN], dtype=acc_type)
-        for k0 in range(0, K, BK):
-            acc += _row_times_tile(a_row, gate_rows, k0, K, n_ok, BK, INT8)
-            acc_up += _row_times_tile(a_row, up_rows, k0, K, n_ok, BK, INT8)
         dt = out.dtype.element_ty
-        if INT8:
-            x_s = tl.load(a_scale + token)
+        if SHARED_FLOAT:
+            shared_rows = shared_w + rn[:, None].to(tl.int64) * sw_n
+            if slot == TOP_K:
+                gate, up = _float_gate_up(a_row, shared_rows, shared_rows + tl.cast(N, tl.int64) * sw_n, K, n_ok,
+                                          BN, BK, dt)
+            else:
+                gate, up = _int8_gate_up(a_row, a_scale, token, gate_rows, up_rows, w_scale + expert * sws_e + rn,
+                                         N, K, n_ok, BN, BK, QUANTIZE, dt)
+        elif INT8:
             w_s = w_scale + expert * sws_e + rn
             if SHARED:
                 w_s = tl.where(slot == TOP_K, shared_scale + rn, w_s)
-            gate = (acc.to(tl.float32) * x_s * tl.load(w_s, mask=n_ok, other=0.0)).to(dt)
-            up = (acc_up.to(tl.float32) * x_s * tl.load(w_s + N, mask=n_ok, other=0.0)).to(dt)
+            gate, up = _int8_gate_up(a_row, a_scale, token, gate_rows, up_rows, w_s, N, K, n_ok, BN, BK, QUANTIZE, dt)
         else:
-            gate, up = acc.to(dt), acc_up.to(dt)
+            gate, up = _float_gate_up(a_row, gate_rows, up_rows, K, n_ok, BN, BK, dt)
         g = gate.to(tl.float32)
         h = ((g / (1.0 + tl.exp(-g))).to(dt).to(tl.float32) * up.to(tl.float32)).to(dt)
         tl.store(out + tl.cast(p, tl.int64) * so_m + rn, h, mask=n_ok)
 
 
+@jit
+def _int8_gate_up(a_row, a_scale, token, gate_rows, up_rows, w_s, N, K, n_ok, BN: tl.constexpr, BK: tl.constexpr,
+                  QUANTIZE: tl.constexpr, dt):
+    """(gate, up) [BN] in dt of a row (int8 with its scale at a_scale[token], or float, quantized here when
+    QUANTIZE) through int8 weight rows with per-channel scales w_s (gate) and w_s + N (up)."""
+    if QUANTIZE:
+        x_s = _row_scale(a_row, K, BK)
+    else:
+        x_s = tl.load(a_scale + token)
+    acc = tl.zeros([BN], dtype=tl.int32)
+    acc_up = tl.zeros([BN], dtype=tl.int32)
+    for k0 in range(0, K, BK):
+        acc += _row_times_tile(a_row, gate_rows, k0, K, n_ok, BK, True, QUANTIZE, x_s)
+        acc_up += _row_times_tile(a_row, up_rows, k0, K, n_ok, BK, True, QUANTIZE, x_s)
+    gate = (acc.to(tl.float32) * x_s * tl.load(w_s, mask=n_ok, other=0.0)).to(dt)
+    up = (acc_up.to(tl.float32) * x_s * tl.load(w_s + N, mask=n_ok, other=0.0)).to(dt)
+    return gate, up
+
+
 # NPU budget (the default tiles): one weight tile [8, 512] bf16 (8 KiB) and its fp32 products (16 KiB).
+@jit
+def _down_product(h_row, h_scale, p, w_rows, w_s, K, n_ok, BN: tl.constexpr, BK: tl.constexpr, INT8: tl.constexpr,
+                  QUANTIZE: tl.constexpr, ONE_K_TILE: tl.constexpr, dt):
+    """h_row @ w_rows^T -> [BN] in dt: float, or int8 weights (per-channel scales w_s) with h_row int8 (its scale
+    h_scale[p]) or float and quantized here (QUANTIZE)."""
+    if INT8:
+        if QUANTIZE:
+            x_s = _row_scale(h_row, K, BK)
+        else:
+            x_s = tl.load(h_scale + p)
+    else:
+        x_s = 1.0
+    if ONE_K_TILE:  # no inner loop: the slot loop is innermost, and the compiler pipelines its loads
+        acc = _row_times_tile(h_row, w_rows, 0, K, n_ok, BK, INT8, QUANTIZE, x_s)
+    else:
+        acc = tl.zeros([BN], dtype=tl.int32 if INT8 else tl.float32)
+        for k0 in range(0, K, BK):
+            acc += _row_times_tile(h_row, w_rows, k0, K, n_ok, BK, INT8, QUANTIZE, x_s)
+    if INT8:
+        return (acc.to(tl.float32) * x_s * tl.load(w_s, mask=n_ok, other=0.0)).to(dt)
+    return acc.to(dt)
+
+
 @jit
 def _token_down_kernel(h, h_scale, w, w_scale, shared_w, shared_scale, expert_ids, route_weight, shared_weight,
                        add_to, out, N, K, TOP_K, n_tasks, sh_m, sw_e, sw_n, sws_e, so_m, BN: tl.constexpr,
                        BK: tl.constexpr, INT8: tl.constexpr, ADD: tl.constexpr, SHARED: tl.constexpr,
-                       ONE_K_TILE: tl.constexpr):
+                       ONE_K_TILE: tl.constexpr, QUANTIZE: tl.constexpr, SHARED_FLOAT: tl.constexpr):
     """Task t = (token m = t // tiles_n, column tile): out[m, n] = the sum over slots s = 0..SLOTS-1, in that
     order and in fp32, of round(round(h[p] @ w_s[n]) * weight_s) with p = m SLOTS + s (each product rounded to
     out's dtype as grouped_gemm's ROUTED epilogue rounds), starting from add_to[m, n] when ADD (else 0),
     rounded once at the end. Slots s < TOP_K: expert expert_ids[m, s] of w [E, N, K], weight route_weight[m, s];
-    slot TOP_K when SHARED: the shared expert shared_w [N, K] (w's row stride), weight shared_weight[m]."""
+    slot TOP_K when SHARED: the shared expert shared_w [N, K] (w's row stride), weight shared_weight[m] - of w's
+    kind, or float beside int8 routed experts (SHARED_FLOAT). QUANTIZE: int8 experts, h float, each row quantized
+    per token here (no quantization launch)."""
     tiles_n = (N + BN - 1) // BN
     slots = TOP_K + SHARED
     dt = out.dtype.element_ty
@@ -125,32 +201,46 @@ def _token_down_kernel(h, h_scale, w, w_scale, shared_w, shared_scale, expert_id
             expert = tl.load(expert_ids + routed).to(tl.int64)
             w_rows = w + expert * sw_e + rn[:, None].to(tl.int64) * sw_n
             weight = tl.load(route_weight + routed).to(tl.float32)
-            if SHARED:
+            if SHARED and not SHARED_FLOAT:
                 w_rows = tl.where(s == TOP_K, shared_w + rn[:, None].to(tl.int64) * sw_n, w_rows)
                 weight = tl.where(s == TOP_K, tl.load(shared_weight + m).to(tl.float32), weight)
             h_row = h + tl.cast(p, tl.int64) * sh_m
-            if ONE_K_TILE:  # no inner loop: the slot loop is innermost, and the compiler pipelines its loads
-                acc = _row_times_tile(h_row, w_rows, 0, K, n_ok, BK, INT8)
-            else:
-                acc = tl.zeros([BN], dtype=tl.int32 if INT8 else tl.float32)
-                for k0 in range(0, K, BK):
-                    acc += _row_times_tile(h_row, w_rows, k0, K, n_ok, BK, INT8)
             if INT8:
                 w_s = w_scale + expert * sws_e + rn
-                if SHARED:
-                    w_s = tl.where(s == TOP_K, shared_scale + rn, w_s)
-                y = (acc.to(tl.float32) * tl.load(h_scale + p) * tl.load(w_s, mask=n_ok, other=0.0)).to(dt)
             else:
-                y = acc.to(dt)
+                w_s = w_scale
+            if SHARED_FLOAT:
+                if s == TOP_K:
+                    y = _down_product(h_row, h_scale, p, shared_w + rn[:, None].to(tl.int64) * sw_n, w_s, K, n_ok,
+                                      BN, BK, False, False, ONE_K_TILE, dt)
+                    weight = tl.load(shared_weight + m).to(tl.float32)
+                else:
+                    y = _down_product(h_row, h_scale, p, w_rows, w_s, K, n_ok, BN, BK, INT8, QUANTIZE, ONE_K_TILE,
+                                      dt)
+            else:
+                if SHARED and INT8:
+                    w_s = tl.where(s == TOP_K, shared_scale + rn, w_s)
+                y = _down_product(h_row, h_scale, p, w_rows, w_s, K, n_ok, BN, BK, INT8, QUANTIZE, ONE_K_TILE, dt)
             total += (y.to(tl.float32) * weight).to(dt).to(tl.float32)
         tl.store(out + tl.cast(m, tl.int64) * so_m + rn, total.to(dt), mask=n_ok)
 
 
+def _kinds(a: torch.Tensor, experts: StackedExperts, shared: StackedExperts | None) -> tuple[bool, bool, bool]:
+    """(int8 experts, float tokens a to quantize in the kernel, a float shared expert beside int8 experts)."""
+    int8 = experts.quantized
+    quantize = int8 and a.dtype != torch.int8
+    shared_float = shared is not None and int8 and not shared.quantized
+    if shared_float and not quantize:
+        raise ValueError("a float shared expert beside int8 experts needs the float tokens")
+    return int8, quantize, shared_float
+
+
 def shares_layout(experts: StackedExperts, shared: StackedExperts) -> bool:
     """Whether the kernels can run `shared` (one expert) as one more slot of `experts`: the same kind (BF16 or
-    int8), widths and row strides."""
+    int8) or a float one beside int8 experts (the W8A8 recipes keep shared experts FLOAT), the same widths and
+    row strides."""
     pairs = ((shared.gate_up, experts.gate_up), (shared.down, experts.down))
-    return (shared.num_experts == 1 and shared.quantized == experts.quantized
+    return (shared.num_experts == 1 and (shared.quantized == experts.quantized or experts.quantized)
             and all(a.shape[1:] == b.shape[1:] and a.stride()[1:] == b.stride()[1:] == (b.shape[2], 1)
                     for a, b in pairs))
 
@@ -158,13 +248,14 @@ def shares_layout(experts: StackedExperts, shared: StackedExperts) -> bool:
 def pair_gate_up(a: torch.Tensor, a_scale: torch.Tensor | None, experts: StackedExperts, expert_ids: torch.Tensor,
                  out_dtype: torch.dtype, config: FewTokensConfig = FEW_TOKENS, shared: StackedExperts | None = None
                  ) -> torch.Tensor:
-    """a [M, K] (bf16, or int8 with a_scale [M]); experts' gate_up [E, 2N, K] (gate_up_scale [E, 2N] for int8);
+    """a [M, K] (bf16, or int8 with a_scale [M]; bf16 tokens into int8 experts are quantized in the kernel);
+    experts' gate_up [E, 2N, K] (gate_up_scale [E, 2N] for int8);
     expert_ids [M, top_k] -> [M * slots, N]: silu(gate) * up of each routed pair (row token * slots + slot),
     slots = top_k, or top_k + 1 with the shared expert (shares_layout) in the last slot."""
     m, top_k = expert_ids.shape
     w, w_scale = experts.gate_up, experts.gate_up_scale
     n, k = w.shape[1] // 2, w.shape[2]
-    int8 = w.dtype == torch.int8
+    int8, quantize, shared_float = _kinds(a, experts, shared)
     slots = top_k + (shared is not None)
     expert_ids = expert_ids.contiguous()
     out = torch.empty(m * slots, n, dtype=out_dtype, device=a.device)
@@ -172,8 +263,9 @@ def pair_gate_up(a: torch.Tensor, a_scale: torch.Tensor | None, experts: Stacked
     launch(_pair_gate_up_kernel, persistent_grid(a.device, n_tasks), a, a_scale, w, w_scale,
            None if shared is None else shared.gate_up, None if shared is None else shared.gate_up_scale, expert_ids,
            out, n, k, top_k, n_tasks, a.stride(0), w.stride(0), w.stride(1), w_scale.stride(0) if int8 else 0,
-           out.stride(0), BN=config.gate_up_bn, BK=config.bk, INT8=int8, SHARED=shared is not None,
-           **launch_options(a.device, num_warps=config.num_warps, num_stages=config.num_stages))
+           out.stride(0), BN=config.gate_up_bn, BK=config.bk, INT8=int8, SHARED=shared is not None, QUANTIZE=quantize,
+           SHARED_FLOAT=shared_float, **launch_options(a.device, num_warps=config.num_warps,
+                                                       num_stages=config.num_stages))
     return out
 
 
@@ -181,14 +273,15 @@ def token_down(h: torch.Tensor, h_scale: torch.Tensor | None, experts: StackedEx
                route_weight: torch.Tensor, out_dtype: torch.dtype, config: FewTokensConfig = FEW_TOKENS,
                add_to: torch.Tensor | None = None, shared: StackedExperts | None = None,
                shared_weight: torch.Tensor | None = None) -> torch.Tensor:
-    """h [M * slots, K] (bf16, or int8 with h_scale [M * slots]); experts' down [E, N, K]; expert_ids,
+    """h [M * slots, K] (bf16, or int8 with h_scale [M * slots]; bf16 rows into int8 experts are quantized in the
+    kernel); experts' down [E, N, K]; expert_ids,
     route_weight [M, top_k] -> [M, N]: each token's expert outputs weighted and summed over its slots - the
     shared expert's, weighted by shared_weight [M, 1], last when given - added to add_to [M, N] (contiguous,
     out_dtype) when given."""
     m, top_k = expert_ids.shape
     w, w_scale = experts.down, experts.down_scale
     n, k = w.shape[1], w.shape[2]
-    int8 = w.dtype == torch.int8
+    int8, quantize, shared_float = _kinds(h, experts, shared)
     out = torch.empty(m, n, dtype=out_dtype, device=h.device)
     n_tasks = m * -(-n // config.down_bn)
     if add_to is not None and (add_to.shape != out.shape or add_to.stride() != out.stride()):
@@ -200,6 +293,7 @@ def token_down(h: torch.Tensor, h_scale: torch.Tensor | None, experts: StackedEx
            None if shared is None else shared.down, None if shared is None else shared.down_scale, expert_ids,
            route_weight, shared_weight, add_to, out, n, k, top_k, n_tasks, h.stride(0), w.stride(0), w.stride(1),
            w_scale.stride(0) if int8 else 0, out.stride(0), BN=config.down_bn, BK=config.bk, INT8=int8,
-           ADD=add_to is not None, SHARED=shared is not None, ONE_K_TILE=k <= config.bk,
+           ADD=add_to is not None, SHARED=shared is not None, ONE_K_TILE=k <= config.bk, QUANTIZE=quantize,
+           SHARED_FLOAT=shared_float,
            **launch_options(h.device, num_warps=config.num_warps, num_stages=config.num_stages))
     return out

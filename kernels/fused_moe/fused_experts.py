@@ -50,16 +50,21 @@ def fused_experts_triton(x: torch.Tensor, experts: StackedExperts, weights: torc
     slot after the routed ones, summed with them and rounded once (fused_experts_reference's `shared`) - in
     the mat-vec kernels, or beside the grouped GEMMs."""
     m, top_k = expert_ids.shape
-    if x_int8 is not None and experts.quantized:
-        tokens, token_scales = x_int8[0], x_int8[1].reshape(-1)
-    else:
-        tokens, token_scales = as_expert_input(x, experts)
+    arrived_int8 = x_int8 is not None and experts.quantized
+    float_shared = shared is not None and not shared[0].quantized
     if m * top_k <= few_pairs:
         slots = top_k + (shared is not None)
+        # int8 experts quantize float tokens in the mat-vec kernel itself (the same values); a float shared expert
+        # riding along needs them float
+        tokens, token_scales = (x_int8[0], x_int8[1].reshape(-1)) if arrived_int8 and not float_shared else (x, None)
         return few_tokens_experts(tokens, token_scales, experts, expert_ids, weights, x.dtype,
                                   few_config or few_tokens_config(m * slots),
                                   shared=None if shared is None else shared[0],
                                   shared_weight=None if shared is None else shared[1].reshape(m, 1))
+    if arrived_int8:
+        tokens, token_scales = x_int8[0], x_int8[1].reshape(-1)
+    else:
+        tokens, token_scales = as_expert_input(x, experts)
     cfg = config or grouped_config(m * top_k, experts.num_experts, x.device)
     routing = group_by_expert(expert_ids, experts.num_experts, cfg.block)
     h = grouped_gemm(tokens, token_scales, experts.gate_up, experts.gate_up_scale, routing, top_k, x.dtype, cfg,
@@ -85,12 +90,12 @@ def few_tokens_experts(tokens: torch.Tensor, token_scales: torch.Tensor | None, 
                        config: FewTokensConfig, add_to: torch.Tensor | None = None,
                        shared: StackedExperts | None = None, shared_weight: torch.Tensor | None = None
                        ) -> torch.Tensor:
-    """The mat-vec path: tokens [M, H] (as_expert_input's form), expert_ids and weights [M, top_k] -> [M, H] in
-    out_dtype, each token's weighted expert outputs summed in slot order (onto add_to [M, H] when given); with
-    `shared` (shares_layout) and shared_weight [M, 1], the shared expert as one more slot after the routed ones."""
+    """The mat-vec path: tokens [M, H] (float, or int8 with token_scales [M] for int8 experts), expert_ids and
+    weights [M, top_k] -> [M, H] in out_dtype, each token's weighted expert outputs summed in slot order (onto
+    add_to [M, H] when given); with `shared` (shares_layout) and shared_weight [M, 1], the shared expert as one
+    more slot after the routed ones. Int8 experts quantize the float intermediate in the down kernel."""
     h = pair_gate_up(tokens, token_scales, experts, expert_ids, out_dtype, config, shared=shared)
-    h, h_scales = as_expert_input(h, experts)
-    return token_down(h, h_scales, experts, expert_ids, weights, out_dtype, config, add_to=add_to, shared=shared,
+    return token_down(h, None, experts, expert_ids, weights, out_dtype, config, add_to=add_to, shared=shared,
                       shared_weight=shared_weight)
 
 
@@ -104,7 +109,7 @@ def add_weighted_expert(x: torch.Tensor, expert: StackedExperts, weight: torch.T
     if not use_triton(x) or m > FEW_PAIRS:
         return base + weight * expert_mlp_reference(x, expert, 0)
     ids = torch.zeros(m, 1, dtype=torch.int64, device=x.device)
-    return few_tokens_experts(*as_expert_input(x, expert), expert, ids, weight.reshape(m, 1), x.dtype,
+    return few_tokens_experts(x, None, expert, ids, weight.reshape(m, 1), x.dtype,
                               few_tokens_config(m), add_to=base.contiguous())
 
 

@@ -17,8 +17,12 @@ def quantize_per_token_int8_reference(x: torch.Tensor) -> tuple[torch.Tensor, to
     amax = xf.abs().amax(dim=-1, keepdim=True)
     # A true division: on CUDA, dividing by a Python number multiplies by its reciprocal instead (an ulp off).
     scale = (amax / torch.full_like(amax, QMAX)).clamp_min(SCALE_FLOOR)
-    x_q = (xf / scale).round().clamp(-QMAX - 1, QMAX).to(torch.int8)
-    return x_q, scale
+    return quantize_with_scale_reference(xf, scale), scale
+
+
+def quantize_with_scale_reference(x: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+    """x [M, K] -> int8 [M, K]: round(x / scale) (half to even) with the given per-token scales fp32 [M, 1]."""
+    return (x.float() / scale).round().clamp(-QMAX - 1, QMAX).to(torch.int8)
 
 
 def int8_matmul_rescale_reference(

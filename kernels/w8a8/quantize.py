@@ -37,6 +37,24 @@ def _div_rn(x, y):
     return tl.fma(tl.fma(-q, y, x), inv, q)
 
 
+@jit
+def token_scale(amax):
+    """A row's scale from its absolute maximum (fp32): amax / 127 rounded as IEEE division, floored at 1e-12."""
+    return tl.maximum(_div_rn(amax, 127.0), 1e-12)
+
+
+@jit
+def to_int8_values(x, scale):
+    """x (fp32) / scale rounded half to even and clamped to [-128, 127], as int32: the reference's quantized
+    values, exactly (y - floor(y) is exact for |y| <= 128)."""
+    y = _div_rn(x, scale)
+    whole = tl.floor(y)
+    frac = y - whole
+    q = whole.to(tl.int32)
+    q += ((frac > 0.5) | ((frac == 0.5) & ((q & 1) == 1))).to(tl.int32)
+    return tl.minimum(tl.maximum(q, -128), 127)
+
+
 # NPU budget: one [BLOCK_K] fp32 row slice, 4096 x 4 B x 3 live = 48 KiB.
 @jit
 def _quantize_kernel(x, x_q, x_scale, M, K, sx_m, sq_m, BLOCK_K: tl.constexpr, START_GEMM: tl.constexpr):
@@ -50,17 +68,11 @@ def _quantize_kernel(x, x_q, x_scale, M, K, sx_m, sq_m, BLOCK_K: tl.constexpr, S
         for k0 in range(0, K, BLOCK_K):
             part = tl.load(x_row + k0 + cols, mask=k0 + cols < K, other=0.0).to(tl.float32)
             amax = tl.maximum(amax, tl.abs(part))
-        scale = tl.maximum(_div_rn(tl.max(amax, 0), 127.0), 1e-12)
+        scale = token_scale(tl.max(amax, 0))
         tl.store(x_scale + row, scale)
         for k0 in range(0, K, BLOCK_K):
             ok = k0 + cols < K
-            y = _div_rn(tl.load(x_row + k0 + cols, mask=ok, other=0.0).to(tl.float32), scale)
-            # round half to even, exactly: y - floor(y) is exact for |y| <= 128
-            whole = tl.floor(y)
-            frac = y - whole
-            q = whole.to(tl.int32)
-            q += ((frac > 0.5) | ((frac == 0.5) & ((q & 1) == 1))).to(tl.int32)
-            q = tl.minimum(tl.maximum(q, -128), 127)
+            q = to_int8_values(tl.load(x_row + k0 + cols, mask=ok, other=0.0).to(tl.float32), scale)
             tl.store(x_q + tl.cast(row, tl.int64) * sq_m + k0 + cols, q.to(tl.int8), mask=ok)
 
 

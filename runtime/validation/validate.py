@@ -316,6 +316,8 @@ def run_validation(options: ValidateOptions, out_dir: Path | str, log: Log = pri
 
     local = isinstance(candidate, RuntimeCompletions)
     device_text = describe_device(device)
+    if local and candidate.model.parallel.active:
+        device_text += f" x {candidate.model.parallel.world} (tensor + expert parallel)"
     if not local:
         device_text = f"endpoint {candidate.url}" + (f"; reference on {device_text}" if reference else "")
     report = ValidationReport(artifact=str(opts.artifact), device=device_text, seed=opts.seed,

@@ -1,0 +1,78 @@
+"""`--devices N` on the command line: the commands run split over N processes (gloo on CPU), rank 0 driving and the
+others following its loads and calls (runtime/lockstep.py). In float32 their output is the single-process
+output: the same tokens, texts, stop decisions and acceptance for generate, the same answers for validate."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+from click.testing import CliRunner
+
+from npuport.cli import main
+from npuport.runtime.dispatch import dispatch
+from npuport.runtime.expert_parallel import recording_dispatch
+from npuport.runtime.generate import generate
+from npuport.runtime.loader import load_model
+from npuport.runtime.several_devices import on_devices
+
+pytestmark = pytest.mark.usefixtures("one_cpu_thread")
+
+
+def run(args: list[str]) -> str:
+    result = CliRunner().invoke(main, args)
+    assert result.exit_code == 0, result.output
+    return result.output
+
+
+@pytest.mark.parametrize("kind", ["moe-text-per-expert", "dense-text"])
+def test_generate_on_two_devices_gives_the_single_device_output(tiny_checkpoints, kind):
+    args = ["generate", str(tiny_checkpoints[kind]), "--prompt", "Question: what is 2+2?", "--prompt-ids", "5,6,7",
+            "--max-new-tokens", "8", "--mtp", "2", "--dtype", "float32", "--device", "cpu", "--json"]
+    one, two = json.loads(run(args)), json.loads(run([*args, "--devices", "2"]))
+    assert (one["devices"], two["devices"]) == (1, 2)
+    assert two["requests"] == one["requests"] and two["acceptance"] == one["acceptance"]
+
+
+def test_validate_on_two_devices_answers_as_on_one(tiny_artifacts, tmp_path):
+    args = ["validate", str(tiny_artifacts["moe-multimodal-fused"]), "--gsm8k", "--num-questions", "2",
+            "--max-new-tokens", "12", "--batch-size", "2", "--mtp", "1", "--no-throughput", "--dtype", "float32",
+            "--device", "cpu"]
+    run([*args, "--out", str(tmp_path / "one")])
+    run([*args, "--devices", "2", "--out", str(tmp_path / "two")])
+    one, two = (json.loads((tmp_path / d / "report.json").read_text()) for d in ("one", "two"))
+    answers = [[s["predictions"] for s in r["gsm8k"][0]["candidate"]["scores"]] for r in (one, two)]
+    assert answers[1] == answers[0]
+    assert two["mtp"] == one["mtp"]
+    assert "x 2 (tensor + expert parallel)" in two["device"] and "x 2" not in one["device"]
+    rows = [(tmp_path / d / "completions.jsonl").read_text().splitlines() for d in ("one", "two")]
+    assert [json.loads(r)["text"] for r in rows[1]] == [json.loads(r)["text"] for r in rows[0]]
+
+
+def test_devices_with_an_endpoint_is_refused(tiny_artifacts):
+    result = CliRunner().invoke(main, ["validate", str(tiny_artifacts["dense-text"]), "--gsm8k", "--devices", "2",
+                                       "--endpoint", "http://127.0.0.1:9/v1"])
+    assert result.exit_code == 1 and "--devices splits the built-in runtime's model" in result.output
+
+
+def test_more_devices_than_the_model_has_heads_fail_in_one_line(tiny_checkpoints):
+    result = CliRunner().invoke(main, ["generate", str(tiny_checkpoints["dense-text"]), "--prompt-ids", "1,2",
+                                       "--device", "cpu", "--devices", "3"])
+    assert result.exit_code == 1
+    assert result.output.strip().splitlines() == [
+        "error: 3 devices do not divide the 4 attention heads; use a device count that divides it"]
+
+
+def generate_under_bf16_dispatch(path: str) -> tuple[list[list[int]], set]:
+    model = load_model(path, "cpu", torch.float32)
+    with recording_dispatch() as records, dispatch(bf16=True):
+        tokens = generate(model, [[5, 6, 7], [9, 8, 7, 6, 5]], 4).tokens
+    return tokens, {r.payload for r in records}
+
+
+def test_rank_0s_dispatch_setting_holds_on_every_rank(tiny_artifacts):
+    path = str(tiny_artifacts["moe-multimodal-fused"])  # W8A8 experts: int8 dispatch unless told otherwise
+    tokens, payloads = on_devices(generate_under_bf16_dispatch, (path,), 2, "cpu")
+    assert payloads == {torch.float32}
+    assert tokens == generate_under_bf16_dispatch(path)[0]
