@@ -77,6 +77,11 @@ devices_option = click.option(
     help="Split the model over N devices of this machine, one process each: attention, GatedDeltaNet and MLPs by "
          "heads and channels (tensor parallel), the routed experts by expert (expert parallel, tokens dispatched "
          "as BF16 or int8 per layer). Rank 0 reads the inputs and writes the outputs. Under torchrun, not needed.")
+invariant_option = click.option(
+    "--batch-invariant", is_flag=True,
+    help="GPU/NPU: decode and verify steps on kernels whose rows do not depend on the batch (invariant GEMMs for "
+         "the float linear layers and the lm_head, MoE paths fixed per call), so that a verify step rounds as "
+         "decode steps do. Experimental: not yet shown to keep greedy MTP output at real widths.")
 dtype_option = click.option("--dtype", type=click.Choice(["bfloat16", "float16", "float32", "float64"]),
                             default="bfloat16", show_default=True)
 
@@ -246,10 +251,11 @@ def verify_release_cmd(release: Path) -> None:
 @device_option
 @devices_option
 @dtype_option
+@invariant_option
 @click.option("--json", "as_json", is_flag=True, help="Print token ids, text and acceptance statistics as JSON.")
 def generate_cmd(model: Path, texts: tuple[str, ...], id_prompts: tuple[str, ...], max_new_tokens: int, mtp: int,
                  temperature: float, top_p: float, seed: int, device: str | None, devices: int, dtype: str,
-                 as_json: bool) -> None:
+                 batch_invariant: bool, as_json: bool) -> None:
     """Generate from MODEL (a BF16 source or a W8A8 artifact) with the built-in runtime."""
     import json
 
@@ -259,7 +265,8 @@ def generate_cmd(model: Path, texts: tuple[str, ...], id_prompts: tuple[str, ...
 
     check_split(model, devices)
     report = on_devices(run_generate, (model, texts, id_prompts, max_new_tokens, mtp,
-                                       SamplingParams(temperature, top_p, seed), device, dtype), devices, device)
+                                       SamplingParams(temperature, top_p, seed), device, dtype, batch_invariant),
+                        devices, device)
     if report is None:  # a torchrun rank other than 0: rank 0 prints
         return
     click.echo(json.dumps(report, indent=2) if as_json else format_report(report))
@@ -303,6 +310,7 @@ from npuport.runtime.validation.gsm8k import DEFAULT_PROTOCOL, LM_EVAL_SEED, MAX
 @device_option
 @devices_option
 @dtype_option
+@invariant_option
 @click.option("--fidelity-questions", type=click.IntRange(min=1), default=None,
               help="Fidelity on the first N questions only (default: all of them).")
 @click.option("--throughput/--no-throughput", default=True, show_default=True,
@@ -320,7 +328,8 @@ from npuport.runtime.validation.gsm8k import DEFAULT_PROTOCOL, LM_EVAL_SEED, MAX
 def validate_cmd(artifact: Path, gsm8k: bool, protocol: str, data: Path | None, num_questions: int | None,
                  shots: int | None, max_new_tokens: int, batch_size: int, mtp: int, seed: int, reference: Path | None,
                  endpoint: str | None, endpoint_model: str | None, parallel: int, timeout_s: float, retries: int,
-                 device: str | None, devices: int, dtype: str, fidelity_questions: int | None, throughput: bool,
+                 device: str | None, devices: int, dtype: str, batch_invariant: bool, fidelity_questions: int | None,
+                 throughput: bool,
                  max_accuracy_drop: float, min_acceptance: float | None, chat_template_kwargs: str | None,
                  out: Path | None) -> None:
     """Validate the W8A8 ARTIFACT: GSM8K accuracy, and with --reference the paired difference and fidelity
@@ -339,7 +348,8 @@ def validate_cmd(artifact: Path, gsm8k: bool, protocol: str, data: Path | None, 
         raise NpuportError("--chat-template-kwargs must be a JSON object")
     options = ValidateOptions(artifact, protocol, data, num_questions, shots, max_new_tokens, batch_size, mtp, seed,
                               reference, endpoint, endpoint_model, parallel, timeout_s, retries, device, dtype,
-                              fidelity_questions, throughput, max_accuracy_drop, min_acceptance, template_kwargs)
+                              fidelity_questions, throughput, max_accuracy_drop, min_acceptance, template_kwargs,
+                              batch_invariant)
     if devices > 1 and endpoint:
         raise NpuportError("--devices splits the built-in runtime's model; with --endpoint the server runs it")
     for model in (artifact, reference) if reference is not None else (artifact,):

@@ -12,9 +12,10 @@ from dataclasses import dataclass
 
 import torch
 
-from npuport.devices import DeviceGraph, graphs_supported
+from npuport.devices import DeviceGraph, graphs_supported, runs_triton
 from npuport.errors import NpuportError
 from npuport.kernels.gated_delta_rule import VerifyLog
+from npuport.runtime.invariance import batch_invariant
 from npuport.runtime.lockstep import mirrored
 from npuport.runtime.model import Qwen35
 from npuport.runtime.sampling import SamplingParams, accept_drafts, greedy_accept, make_generator, sample
@@ -408,6 +409,16 @@ def use_graphs(model: Qwen35, graphs: bool | None) -> bool:
     return graphs
 
 
+def use_invariance(model: Qwen35, invariant: bool | None) -> bool:
+    """Batch-invariant steps (runtime/invariance.py): as asked; else as the model was set up
+    (Qwen35.batch_invariant); else off. Only where the Triton kernels run does it change anything that is not
+    already invariant (on CPU the references are exact in float32 / float64). Off by default until the GPU
+    proves greedy MTP == greedy with it at real widths (bench/invariance.py; bench/RESULTS.md)."""
+    if invariant is not None:
+        return invariant and runs_triton(model.device)
+    return bool(model.batch_invariant) and runs_triton(model.device)
+
+
 # Capacities are rounded up to this many positions, so that calls with prompts of other lengths find the same
 # states and captured steps.
 CAPACITY_STEP = 256
@@ -417,7 +428,8 @@ _KEPT_STEPS_LOCK = threading.Lock()  # guards creating a model's lock for its ke
 
 
 @contextlib.contextmanager
-def reusable_steps(model: Qwen35, batch: int, capacity: int, mtp: int, graphs: bool) -> Iterator[Steps]:
+def reusable_steps(model: Qwen35, batch: int, capacity: int, mtp: int, graphs: bool,
+                   invariant_rows: int | None = None) -> Iterator[Steps]:
     """Steps over fresh target (and, with mtp, MTP head) states for `batch` requests of `capacity` positions.
     With graphs, the last call's states and captured steps are reset and reused when the shapes match (one set
     kept per model): a generate call then replays graphs instead of capturing them again (tens of ms a call).
@@ -430,7 +442,7 @@ def reusable_steps(model: Qwen35, batch: int, capacity: int, mtp: int, graphs: b
         return
     try:
         capacity = -(-capacity // CAPACITY_STEP) * CAPACITY_STEP
-        key = (batch, capacity, mtp, model.dtype)
+        key = (batch, capacity, mtp, model.dtype, invariant_rows)  # steps captured in another mode do not serve
         kept = model.__dict__.get("_kept_steps")
         if kept is None or kept[0] != key:
             model.__dict__["_kept_steps"] = None  # the old set's memory goes before the new one is made
@@ -451,13 +463,15 @@ def reusable_steps(model: Qwen35, batch: int, capacity: int, mtp: int, graphs: b
 def generate(model: Qwen35, prompts: Sequence[Sequence[int]], max_new_tokens: int, *, mtp: int = 0,
              sampling: SamplingParams | None = None, stop_tokens: Iterable[int] = (),
              prefill_chunk: int | None = None, graphs: bool | None = None,
-             should_stop: StopCheck | None = None) -> GenerationResult:
+             should_stop: StopCheck | None = None, invariant: bool | None = None) -> GenerationResult:
     """Generate up to max_new_tokens for each prompt (token ids; a batch may mix lengths), with MTP
     speculative decoding of `mtp` drafts per round (0 = plain decoding). Greedy at temperature 0.
     graphs: capture each decode / verify / draft step as a device graph (default: see use_graphs).
     should_stop(tokens): called every STOP_CHECK_EVERY new tokens of a request with all it has produced; True
     ends that request ("stop"), e.g. once its text holds a stop string. The tokens it produced up to then are
-    the same as without the check (requests of a batch do not affect each other)."""
+    the same as without the check (requests of a batch do not affect each other).
+    invariant: batch-invariant decode and verify steps (default: see use_invariance), meant to make greedy MTP
+    output greedy output bit for bit."""
     sampling = sampling or SamplingParams()
     if not 0 <= mtp <= MAX_DRAFTS:
         raise NpuportError(f"--mtp must be between 0 and {MAX_DRAFTS}, got {mtp}")
@@ -470,7 +484,10 @@ def generate(model: Qwen35, prompts: Sequence[Sequence[int]], max_new_tokens: in
     batch = len(prompts)
     graphs = use_graphs(model, graphs)
     generator = make_generator(sampling.seed, device)
-    with reusable_steps(model, batch, tokens.shape[1] + max_new_tokens + mtp + 1, mtp, graphs) as steps:
+    # planned for the longest verify step any k could make: a plain and a speculative call take the same paths
+    rows = batch * (MAX_DRAFTS + 1) if use_invariance(model, invariant) else None
+    capacity = tokens.shape[1] + max_new_tokens + mtp + 1
+    with reusable_steps(model, batch, capacity, mtp, graphs, rows) as steps, batch_invariant(rows):
         return _generate(model, steps, tokens, lengths, max_new_tokens, mtp, sampling, generator, stop_tokens,
                          prefill_chunk, should_stop)
 
@@ -500,7 +517,8 @@ def _generate(model: Qwen35, steps: Steps, tokens: torch.Tensor, lengths: torch.
 
     shifted = tokens.roll(-1, dims=1)
     shifted[rows, lengths - 1] = next_tok
-    mtp_logits, mtp_hidden = mtp_prefill(model, steps.mtp_state, shifted, hidden, lengths, prefill_chunk)
+    with batch_invariant(None):  # the head's prefill is no step either
+        mtp_logits, mtp_hidden = mtp_prefill(model, steps.mtp_state, shifted, hidden, lengths, prefill_chunk)
     stats = AcceptanceStats.empty(batch, mtp)
     while out.running():
         progress, rounds = DeviceProgress(out, device), []

@@ -10,8 +10,10 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from npuport.kernels.invariant_linear import invariant_linear
 from npuport.kernels.w8a8 import int8_matmul_rescale, quantize_per_token_int8
 from npuport.runtime.dispatch import DispatchError
+from npuport.runtime.invariance import current_invariance
 
 
 @dataclass
@@ -41,7 +43,14 @@ class Linear(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if isinstance(x, QuantizedActivation):
             raise DispatchError("int8 tokens reached a BF16 linear layer, which cannot take them")
-        return F.linear(x, self.weight)
+        return float_linear(x, self.weight)
+
+
+def float_linear(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    """x W^T: the vendor GEMM, or inside batch_invariant() the kernel whose rows do not depend on the batch."""
+    if current_invariance() is not None:
+        return invariant_linear(x, weight)
+    return F.linear(x, weight)
 
 
 class W8A8Linear(nn.Module):
@@ -78,7 +87,7 @@ class StackedLinear:
         if self.scale is None:
             if isinstance(x, QuantizedActivation):
                 raise DispatchError("int8 tokens reached a BF16 linear layer, which cannot take them")
-            return F.linear(x, self.weight).split(self.widths, dim=-1)
+            return float_linear(x, self.weight).split(self.widths, dim=-1)
         if isinstance(x, QuantizedActivation):
             y = int8_matmul_rescale(x.values, x.scales, self.weight, self.scale, self.out_dtype)
             return y.split(self.widths, dim=-1)

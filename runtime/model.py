@@ -8,6 +8,7 @@ decode / verify step that stays staged until `commit_accepted`.
 
 from __future__ import annotations
 
+import contextlib
 from collections.abc import Iterable
 from dataclasses import dataclass
 
@@ -29,7 +30,16 @@ from npuport.kernels.rope import rms_norm_rope
 from npuport.runtime.config import FULL_ATTENTION, ModelConfig
 from npuport.runtime.dispatch import dispatch, int8_dispatch
 from npuport.runtime.expert_parallel import ExpertShard, expert_parallel_experts, traffic_record
-from npuport.runtime.linear import Linear, QuantizedActivation, StackedLinear, W8A8Linear, project, stack_linears
+from npuport.runtime.invariance import batch_invariant, current_invariance
+from npuport.runtime.linear import (
+    Linear,
+    QuantizedActivation,
+    StackedLinear,
+    W8A8Linear,
+    float_linear,
+    project,
+    stack_linears,
+)
 from npuport.runtime.parallel import Parallel, local_config, row_parallel
 from npuport.runtime.state import GDNState, KVCache, ModelState, new_mtp_state, new_target_state
 
@@ -302,11 +312,13 @@ class MoE(nn.Module):
         # On one device int8 and BF16 dispatch give W8A8 experts the same int8 values: the experts' kernels
         # quantize the tokens themselves (int8_dispatch above still refuses int8 into BF16 experts).
         shared = self.shared_expert.as_expert()
+        invariance = current_invariance()  # the expert path and tiles by the call's largest step, not this one
+        plan = None if invariance is None else invariance.rows
         if shared is None:
-            routed = self.experts(flat, weights, chosen)
+            routed = fused_experts(flat, self.experts.stacked(), weights, chosen, plan_tokens=plan)
             return (routed + shared_weight * self.shared_expert(flat)).view(x.shape)
-        return routed_and_shared_experts(flat, self.experts.stacked(), weights, chosen, shared,
-                                         shared_weight).view(x.shape)
+        return routed_and_shared_experts(flat, self.experts.stacked(), weights, chosen, shared, shared_weight,
+                                         plan_tokens=plan).view(x.shape)
 
     def parallel_forward(self, flat: torch.Tensor, weights: torch.Tensor, chosen: torch.Tensor,
                          shared_weight: torch.Tensor, int8: bool) -> torch.Tensor:
@@ -415,6 +427,9 @@ class Qwen35(nn.Module):
         self.norm = RMSNorm(h, config.rms_norm_eps)
         self.lm_head = None if config.tie_word_embeddings else Linear(h, config.vocab_size)
         self.mtp = MTPHead(local, self.parallel) if with_mtp else None
+        # decode / verify steps batch-invariant (runtime/invariance.py): True, False, or None: off
+        # (generate.use_invariance)
+        self.batch_invariant: bool | None = None
 
     def stack_projections(self) -> None:
         stack_projections(self)
@@ -463,12 +478,14 @@ class Qwen35(nn.Module):
         given, receives what transformers' output_hidden_states gives: the embeddings, the outputs of
         layers 0..n-2 and the final normed hidden."""
         step = self.make_step(state.positions, tokens.shape[1], n_valid, state.capacity)
-        return run_layers(self.layers, state.layers, self.embed_tokens(tokens), step, self.norm, hidden_states)
+        # a prefill is not a step: the fast kernels, whatever batch_invariant() says
+        with batch_invariant(None) if n_valid is not None else contextlib.nullcontext():
+            return run_layers(self.layers, state.layers, self.embed_tokens(tokens), step, self.norm, hidden_states)
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """[..., hidden] -> [..., vocab]."""
         if self.lm_head is None:
-            return F.linear(hidden, self.embed_tokens.weight)
+            return float_linear(hidden, self.embed_tokens.weight)
         return self.lm_head(hidden)
 
     def mtp_forward(self, next_tokens: torch.Tensor, hidden: torch.Tensor, state: ModelState,

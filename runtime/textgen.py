@@ -11,7 +11,7 @@ import torch
 
 from npuport.devices import pick_device
 from npuport.errors import NpuportError
-from npuport.runtime.generate import generate
+from npuport.runtime.generate import generate, use_invariance
 from npuport.runtime.loader import load_model
 from npuport.runtime.sampling import SamplingParams
 
@@ -51,7 +51,7 @@ def stop_token_ids(model_dir: Path) -> list[int]:
 
 
 def run_generate(model_dir: Path, texts: Sequence[str], id_prompts: Sequence[str], max_new_tokens: int, mtp: int,
-                 sampling: SamplingParams, device: str | None, dtype: str) -> dict:
+                 sampling: SamplingParams, device: str | None, dtype: str, batch_invariant: bool = False) -> dict:
     """Generate for every --prompt and --prompt-ids; returns the report `npuport generate --json` prints."""
     model_dir = Path(model_dir)
     if dtype not in DTYPES:
@@ -63,8 +63,9 @@ def run_generate(model_dir: Path, texts: Sequence[str], id_prompts: Sequence[str
         raise NpuportError(f"{model_dir} has no tokenizer; use --prompt-ids")
     prompts = [tokenizer.encode(t) for t in texts] + [parse_prompt_ids(s) for s in id_prompts]
     model = load_model(model_dir, pick_device(device), DTYPES[dtype])
+    invariant = use_invariance(model, batch_invariant)
     result = generate(model, prompts, max_new_tokens, mtp=mtp, sampling=sampling,
-                      stop_tokens=stop_token_ids(model_dir))
+                      stop_tokens=stop_token_ids(model_dir), invariant=invariant)
     requests = []
     for i, (prompt, tokens) in enumerate(zip(prompts, result.tokens, strict=True)):
         requests.append({
@@ -78,6 +79,7 @@ def run_generate(model_dir: Path, texts: Sequence[str], id_prompts: Sequence[str
         "model": str(model_dir),
         "device": str(model.device),
         "devices": model.parallel.world,
+        "batch_invariant": invariant,
         "dtype": dtype,
         "mtp": mtp,
         "requests": requests,

@@ -383,3 +383,45 @@ def test_decode_attention_at_real_sizes(heads, t):
     assert rel(got, decode_attention_reference(q, keys, values, start, gate)) < 1e-2
     assert torch.equal(decode_attention(q[1:2], keys[1:2], values[1:2], start[1:2], gate[1:2]), got[1:2])
     assert torch.equal(decode_attention(q[:, :1], keys, values, start, gate[:, :1]), got[:, :1])
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+@pytest.mark.parametrize(("n", "k"), [(4096, 2048), (248320 // 8, 2048), (1000, 5120)])
+def test_invariant_linear_rows_do_not_depend_on_the_batch_on_gpu(dtype, n, k):
+    from npuport.kernels.invariant_linear import invariant_linear
+
+    gen = torch.Generator().manual_seed(n)
+    weight = (torch.randn(n, k, generator=gen) / k**0.5).to(CUDA, dtype)
+    x = torch.randn(40, k, generator=gen).to(CUDA, dtype)
+    alone = torch.cat([invariant_linear(x[i : i + 1], weight) for i in range(len(x))])
+    for m in (2, 3, 8, 17, 32, 40):
+        assert torch.equal(invariant_linear(x[:m], weight), alone[:m]), m
+    assert torch.equal(invariant_linear(x[7:29], weight), alone[7:29])
+    assert rel(alone, torch.nn.functional.linear(x.double(), weight.double())) < (4e-6 if dtype == torch.float32
+                                                                                 else 4e-3)
+
+
+@pytest.fixture(scope="module")
+def wider_models(tmp_path_factory):
+    """The `small` preset (hidden 512, 8 layers), dense and MoE, and the MoE one converted to W8A8: wide enough
+    that vendor GEMMs round a verify step differently from a decode step."""
+    from npuport.convert.converter import convert_qwen35
+    from npuport.fixtures.tiny_checkpoint import TinySpec, make_tiny
+
+    root = tmp_path_factory.mktemp("wider")
+    dense = make_tiny(root / "dense", TinySpec(arch="dense", size="small"))
+    moe = make_tiny(root / "moe", TinySpec(arch="moe", size="small"))
+    w8a8 = convert_qwen35(moe, root / "w8a8", show_progress=False, log=lambda _: None).out
+    return {"dense": dense, "moe": moe, "w8a8 moe": w8a8}
+
+
+@pytest.mark.parametrize("kind", ["dense", "moe", "w8a8 moe"])
+def test_batch_invariant_steps_keep_greedy_mtp_output_in_bf16(kind, wider_models):
+    model = load_model(wider_models[kind], CUDA, torch.bfloat16)
+    gen = torch.Generator().manual_seed(1)
+    prompts = [torch.randint(0, 2000, (n,), generator=gen).tolist() for n in (5, 40, 17, 64)]
+    plain = generate(model, prompts, 48, invariant=True)
+    assert plain.tokens == generate(model, prompts, 48, invariant=True, graphs=False).tokens
+    for k in (1, 2, 3, 4):
+        assert generate(model, prompts, 48, mtp=k, invariant=True).tokens == plain.tokens, f"mtp={k}"
+    assert generate(model, prompts, 48, mtp=2, invariant=True, graphs=False).tokens == plain.tokens

@@ -24,12 +24,15 @@ from npuport.kernels.w8a8 import quantize_per_token_int8
 
 
 def fused_experts(x: torch.Tensor, experts: StackedExperts, weights: torch.Tensor, expert_ids: torch.Tensor,
-                  x_int8: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
+                  x_int8: tuple[torch.Tensor, torch.Tensor] | None = None, plan_tokens: int | None = None
+                  ) -> torch.Tensor:
     """x [M, H]; weights [M, top_k] (x's dtype, renormalised); expert_ids [M, top_k] -> [M, H] in x's dtype:
     sum over slots of weight * expert(x). x_int8 = (values int8 [M, H], scales fp32 [M, 1]): x already
-    quantized per token (int8 dispatch), for W8A8 experts; the same values they would compute from x."""
+    quantized per token (int8 dispatch), for W8A8 experts; the same values they would compute from x.
+    plan_tokens: choose the kernels and tiles as for that many tokens (each token's bits then do not depend on
+    M, for M up to plan_tokens: batch-invariant steps); default M."""
     if use_triton(x):
-        return fused_experts_triton(x, experts, weights, expert_ids, x_int8)
+        return fused_experts_triton(x, experts, weights, expert_ids, x_int8, plan_tokens=plan_tokens)
     return fused_experts_reference(x, experts, weights, expert_ids, x_int8=x_int8)
 
 
@@ -43,29 +46,31 @@ def fused_experts_triton(x: torch.Tensor, experts: StackedExperts, weights: torc
                          x_int8: tuple[torch.Tensor, torch.Tensor] | None = None,
                          config: GroupedConfig | None = None, few_pairs: int = FEW_PAIRS,
                          few_config: FewTokensConfig | None = None,
-                         shared: tuple[StackedExperts, torch.Tensor] | None = None) -> torch.Tensor:
+                         shared: tuple[StackedExperts, torch.Tensor] | None = None,
+                         plan_tokens: int | None = None) -> torch.Tensor:
     """The Triton kernels behind fused_experts (any device; CPU tensors run in Triton's interpreter); the
     mat-vec kernels (with few_config) up to few_pairs routed pairs, the grouped GEMMs (with `config`) beyond.
     shared = (one expert of the routed ones' layout (shares_layout), weight [M, 1]): that expert as one more
     slot after the routed ones, summed with them and rounded once (fused_experts_reference's `shared`) - in
-    the mat-vec kernels, or beside the grouped GEMMs."""
+    the mat-vec kernels, or beside the grouped GEMMs. plan_tokens: as fused_experts'."""
     m, top_k = expert_ids.shape
+    planned = m if plan_tokens is None else max(m, plan_tokens)
     arrived_int8 = x_int8 is not None and experts.quantized
     float_shared = shared is not None and not shared[0].quantized
-    if m * top_k <= few_pairs:
+    if planned * top_k <= few_pairs:
         slots = top_k + (shared is not None)
         # int8 experts quantize float tokens in the mat-vec kernel itself (the same values); a float shared expert
         # riding along needs them float
         tokens, token_scales = (x_int8[0], x_int8[1].reshape(-1)) if arrived_int8 and not float_shared else (x, None)
         return few_tokens_experts(tokens, token_scales, experts, expert_ids, weights, x.dtype,
-                                  few_config or few_tokens_config(m * slots),
+                                  few_config or few_tokens_config(planned * slots),
                                   shared=None if shared is None else shared[0],
                                   shared_weight=None if shared is None else shared[1].reshape(m, 1))
     if arrived_int8:
         tokens, token_scales = x_int8[0], x_int8[1].reshape(-1)
     else:
         tokens, token_scales = as_expert_input(x, experts)
-    cfg = config or grouped_config(m * top_k, experts.num_experts, x.device)
+    cfg = config or grouped_config(planned * top_k, experts.num_experts, x.device)
     routing = group_by_expert(expert_ids, experts.num_experts, cfg.block)
     h = grouped_gemm(tokens, token_scales, experts.gate_up, experts.gate_up_scale, routing, top_k, x.dtype, cfg,
                      gated=True)
@@ -99,28 +104,32 @@ def few_tokens_experts(tokens: torch.Tensor, token_scales: torch.Tensor | None, 
                       shared_weight=shared_weight)
 
 
-def add_weighted_expert(x: torch.Tensor, expert: StackedExperts, weight: torch.Tensor, base: torch.Tensor
-                        ) -> torch.Tensor:
+def add_weighted_expert(x: torch.Tensor, expert: StackedExperts, weight: torch.Tensor, base: torch.Tensor,
+                        plan_tokens: int | None = None) -> torch.Tensor:
     """base + weight * expert(x) for x, base [M, H] and weight [M, 1] (x's dtype), the product and the sum each
     rounded to x's dtype - a MoE layer's shared expert added to its routed output. expert: one expert
     (StackedExperts with E = 1). Few tokens on a GPU or NPU: the mat-vec kernels, two launches with the sum
     fused; otherwise PyTorch."""
     m = x.shape[0]
-    if not use_triton(x) or m > FEW_PAIRS:
+    planned = m if plan_tokens is None else max(m, plan_tokens)
+    if not use_triton(x) or planned > FEW_PAIRS:
         return base + weight * expert_mlp_reference(x, expert, 0)
     ids = torch.zeros(m, 1, dtype=torch.int64, device=x.device)
     return few_tokens_experts(x, None, expert, ids, weight.reshape(m, 1), x.dtype,
-                              few_tokens_config(m), add_to=base.contiguous())
+                              few_tokens_config(planned), add_to=base.contiguous())
 
 
 def routed_and_shared_experts(x: torch.Tensor, experts: StackedExperts, weights: torch.Tensor,
                               expert_ids: torch.Tensor, shared: StackedExperts, shared_weight: torch.Tensor,
-                              x_int8: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
+                              x_int8: tuple[torch.Tensor, torch.Tensor] | None = None,
+                              plan_tokens: int | None = None) -> torch.Tensor:
     """A MoE layer's experts: fused_experts(x, experts, weights, expert_ids, x_int8) + shared_weight [M, 1] *
     shared(x) -> [M, H]. On a GPU or NPU, with a shared expert of the routed ones' layout, the shared expert is
     one more slot (fused_experts_triton's `shared`: for few tokens no launches of its own), the same sum for
     every M - a decode step and a verify step round alike; otherwise the routed sum rounded, then
-    add_weighted_expert."""
+    add_weighted_expert. plan_tokens: as fused_experts'."""
     if use_triton(x) and shares_layout(experts, shared):
-        return fused_experts_triton(x, experts, weights, expert_ids, x_int8, shared=(shared, shared_weight))
-    return add_weighted_expert(x, shared, shared_weight, fused_experts(x, experts, weights, expert_ids, x_int8))
+        return fused_experts_triton(x, experts, weights, expert_ids, x_int8, shared=(shared, shared_weight),
+                                    plan_tokens=plan_tokens)
+    routed = fused_experts(x, experts, weights, expert_ids, x_int8, plan_tokens)
+    return add_weighted_expert(x, shared, shared_weight, routed, plan_tokens)

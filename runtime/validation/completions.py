@@ -12,7 +12,7 @@ import torch
 
 from npuport.errors import NpuportError
 from npuport.jsonfile import read_json_object
-from npuport.runtime.generate import AcceptanceStats, generate
+from npuport.runtime.generate import AcceptanceStats, generate, use_invariance
 from npuport.runtime.loader import load_model
 from npuport.runtime.model import Qwen35
 from npuport.runtime.sampling import SamplingParams
@@ -81,10 +81,11 @@ class RuntimeCompletions:
     """Completes text prompts with a loaded model: `batch_size` prompts per `generate` call, in order, with
     `mtp` draft tokens per round (0: plain decoding). The same `complete` signature as CompletionsEndpoint,
     so a GSM8K run does not care which one it drives. `context_tokens`: the model's context (None: unknown),
-    for callers that bound prompt + max_tokens by it."""
+    for callers that bound prompt + max_tokens by it. invariant: batch-invariant steps (generate's; None: its
+    default)."""
 
     def __init__(self, model: Qwen35, tokenizer, stop_tokens: Sequence[int] = (), *, batch_size: int = 1,
-                 mtp: int = 0, context_tokens: int | None = None) -> None:
+                 mtp: int = 0, context_tokens: int | None = None, invariant: bool | None = None) -> None:
         if batch_size < 1:
             raise NpuportError(f"batch size must be at least 1, got {batch_size}")
         self.model = model
@@ -93,10 +94,11 @@ class RuntimeCompletions:
         self.batch_size = batch_size
         self.mtp = mtp
         self.context_tokens = context_tokens
+        self.invariant = use_invariance(model, invariant)  # resolved once: every rank of a split model is told
 
     @classmethod
     def load(cls, path: Path | str, *, device: torch.device | str | None = None, dtype: str = "bfloat16",
-             batch_size: int = 1, mtp: int = 0) -> RuntimeCompletions:
+             batch_size: int = 1, mtp: int = 0, invariant: bool | None = None) -> RuntimeCompletions:
         """The model folder `path` (BF16 source or W8A8 artifact) with its own tokenizer and EOS ids."""
         path = Path(path)
         if dtype not in DTYPES:
@@ -107,7 +109,7 @@ class RuntimeCompletions:
                                "need one")
         model = load_model(path, device, DTYPES[dtype])
         return cls(model, tokenizer, stop_token_ids(path), batch_size=batch_size, mtp=mtp,
-                   context_tokens=context_tokens_of(path))
+                   context_tokens=context_tokens_of(path), invariant=invariant)
 
     def encode(self, prompt: str) -> list[int]:
         return list(self.tokenizer.encode(prompt))
@@ -134,7 +136,7 @@ class RuntimeCompletions:
         start = time.perf_counter()
         for first in range(0, len(prompt_ids), self.batch_size):
             result = generate(self.model, prompt_ids[first:first + self.batch_size], max_tokens, mtp=self.mtp,
-                              sampling=sampling, stop_tokens=self.stop_tokens,
+                              sampling=sampling, stop_tokens=self.stop_tokens, invariant=self.invariant,
                               should_stop=(lambda toks: _holds_stop(self.decode(toks), stop)) if stop else None)
             tokens += result.tokens
             if result.stats is not None:

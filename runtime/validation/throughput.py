@@ -24,16 +24,17 @@ def synchronize(device: torch.device) -> None:
         torch.accelerator.synchronize(device)
 
 
-def _timed_generate(model: Qwen35, prompts: Sequence[Sequence[int]], new_tokens: int, mtp: int) -> float:
+def _timed_generate(model: Qwen35, prompts: Sequence[Sequence[int]], new_tokens: int, mtp: int,
+                    invariant: bool | None) -> float:
     synchronize(model.device)
     start = time.perf_counter()
-    generate(model, prompts, new_tokens, mtp=mtp)
+    generate(model, prompts, new_tokens, mtp=mtp, invariant=invariant)
     synchronize(model.device)
     return time.perf_counter() - start
 
 
 def measure_throughput(model: Qwen35, prompts: Sequence[Sequence[int]], new_tokens: int, *, mtp: int = 0,
-                       label: str, repeats: int = 1) -> ThroughputRun:
+                       label: str, repeats: int = 1, invariant: bool | None = None) -> ThroughputRun:
     """Time one batch of `prompts` (token ids), greedy, `new_tokens` per request, after one warm-up call.
 
     Prefill is a call that makes one token: the target's prefill and first token, and with MTP the head's
@@ -46,9 +47,9 @@ def measure_throughput(model: Qwen35, prompts: Sequence[Sequence[int]], new_toke
         raise NpuportError("throughput needs at least 2 new tokens per request (one prefill, one decode)")
     if repeats < 1:
         raise NpuportError("throughput needs at least one timed repeat")
-    generate(model, prompts, min(new_tokens, WARMUP_TOKENS), mtp=mtp)
-    prefill_s = min(_timed_generate(model, prompts, 1, mtp) for _ in range(repeats))
-    total_s = min(_timed_generate(model, prompts, new_tokens, mtp) for _ in range(repeats))
+    generate(model, prompts, min(new_tokens, WARMUP_TOKENS), mtp=mtp, invariant=invariant)
+    prefill_s = min(_timed_generate(model, prompts, 1, mtp, invariant) for _ in range(repeats))
+    total_s = min(_timed_generate(model, prompts, new_tokens, mtp, invariant) for _ in range(repeats))
     decode_s = total_s - prefill_s
     batch, steps = len(prompts), new_tokens - 1
     return ThroughputRun(

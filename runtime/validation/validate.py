@@ -88,6 +88,7 @@ class ValidateOptions:
     max_accuracy_drop: float | None = DEFAULT_MAX_ACCURACY_DROP  # None: no accuracy gate
     min_acceptance: float | None = None
     chat_template_kwargs: dict[str, Any] = field(default_factory=dict)
+    batch_invariant: bool = False  # decode / verify steps on the batch-invariant kernels (runtime/invariance.py)
 
     def check(self) -> None:
         """Refuse combinations that cannot be measured, before anything is loaded."""
@@ -215,7 +216,8 @@ def throughput_runs(runner: RuntimeCompletions, prompts: Sequence[Sequence[int]]
     runs = []
     for k in sorted({0, mtp}):
         name = label if k == 0 else f"{label} + MTP k={k}"
-        run = measure_throughput(runner.model, prompts, new_tokens, mtp=k, label=name, repeats=THROUGHPUT_REPEATS)
+        run = measure_throughput(runner.model, prompts, new_tokens, mtp=k, label=name, repeats=THROUGHPUT_REPEATS,
+                                 invariant=runner.invariant)
         runs.append(run)
         decode = (f"decode {run.decode_tokens_per_s:.1f} tok/s, {run.time_per_output_token_ms:.2f} ms per output token"
                   if run.decode_tokens_per_s is not None else "decode not measurable (noise above the decode time)")
@@ -252,7 +254,7 @@ def _candidate_runner(opts: ValidateOptions, device: torch.device,
                 f"endpoint {client.url} (model {client.model}, {opts.parallel} in parallel)")
     log(f"loading {opts.artifact} on {device}")
     runtime = RuntimeCompletions.load(opts.artifact, device=device, dtype=opts.dtype, batch_size=opts.batch_size,
-                                      mtp=opts.mtp)
+                                      mtp=opts.mtp, invariant=opts.batch_invariant)
     return runtime, runtime.tokenizer, f"built-in runtime, batch size {opts.batch_size}, MTP k={opts.mtp}, {opts.dtype}"
 
 
@@ -308,7 +310,8 @@ def run_validation(options: ValidateOptions, out_dir: Path | str, log: Log = pri
     if opts.reference is not None:
         log(f"loading reference {opts.reference} on {device}")
         reference = RuntimeCompletions.load(opts.reference, device=device, dtype=opts.dtype,
-                                            batch_size=opts.batch_size, mtp=opts.mtp)
+                                            batch_size=opts.batch_size, mtp=opts.mtp,
+                                            invariant=opts.batch_invariant)
         ref_result, ref_batch = run_gsm8k(reference, protocol, prompts, REFERENCE_LABEL, log)
         completions.append((REFERENCE_LABEL, ref_result, ref_batch))
         row = AccuracyRow.paired(cand_result, ref_result, seed=opts.seed)
@@ -316,6 +319,11 @@ def run_validation(options: ValidateOptions, out_dir: Path | str, log: Log = pri
 
     local = isinstance(candidate, RuntimeCompletions)
     device_text = describe_device(device)
+    if local:
+        settings["kernels"] = (
+            "batch-invariant decode and verify steps (--batch-invariant: invariant GEMMs for the float linear "
+            "layers and the lm_head, MoE paths fixed per call)" if candidate.invariant
+            else "default (vendor GEMMs in decode and verify steps)")
     if local and candidate.model.parallel.active:
         device_text += f" x {candidate.model.parallel.world} (tensor + expert parallel)"
     if not local:

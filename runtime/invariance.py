@@ -1,0 +1,44 @@
+"""Batch-invariant decoding: inside `batch_invariant(rows)`, decode and verify steps are meant to compute each
+token's row with an order of operations that does not depend on how many rows the step has - so that a verify of
+k + 1 tokens per request gives the bits k + 1 single-token decode steps give, and greedy speculative decoding the
+tokens of greedy decoding. Off by default (`--batch-invariant`): the GPU has shown its kernels invariant
+(tests/test_kernels_on_gpu.py), not yet the whole model at real widths (bench/RESULTS.md).
+
+Most kernels are row-independent already (norms, rope, decode attention, the GDN recurrence, the W8A8 GEMM's exact
+int32 sums); what the setting changes: float linear layers and the lm_head run kernels/invariant_linear.py instead
+of the vendor GEMM, and the MoE layers choose their expert path and tiles by `rows`, the largest step of the call,
+instead of by the step's own size. Prefill is not a step and runs the fast kernels (Qwen35.forward suspends the
+setting). A context setting of the current thread or task, read by the layers on every call (and at capture).
+"""
+
+from __future__ import annotations
+
+import contextvars
+from collections.abc import Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True)
+class Invariance:
+    """rows: the most tokens a decode or verify step of the current generate call could take with any number of
+    drafts (batch x (MAX_DRAFTS + 1)): plain and speculative calls then plan the same kernels."""
+
+    rows: int
+
+
+_current: contextvars.ContextVar[Invariance | None] = contextvars.ContextVar("npuport_invariance", default=None)
+
+
+def current_invariance() -> Invariance | None:
+    return _current.get()
+
+
+@contextmanager
+def batch_invariant(rows: int | None) -> Iterator[None]:
+    """Steps inside are batch-invariant, planned for steps of up to `rows` tokens; None: the fast kernels."""
+    token = _current.set(None if rows is None else Invariance(rows))
+    try:
+        yield
+    finally:
+        _current.reset(token)
