@@ -389,19 +389,26 @@ def validate_cmd(artifact: Path, gsm8k: bool, protocol: str, data: Path | None, 
               help="Require 'Authorization: Bearer KEY' on every /v1 request (prefer the environment variable: a "
                    "command line is visible to other users of the machine).")
 @device_option
+@devices_option
 @dtype_option
 @click.option("--quiet", is_flag=True, help="Do not log each request.")
 def serve_cmd(model: Path, port: int, host: str, served_model_name: str | None, mtp: int, max_batch_size: int,
               max_tokens_limit: int, request_timeout_s: float, max_connections: int, api_key: str | None,
-              device: str | None, dtype: str, quiet: bool) -> None:
+              device: str | None, devices: int, dtype: str, quiet: bool) -> None:
     """Serve MODEL (a W8A8 artifact or BF16 source) on the built-in runtime as an OpenAI-compatible endpoint:
     POST /v1/completions, GET /v1/models. One request runs at a time."""
+    import functools
+
+    from npuport.runtime.several_devices import check_split, on_devices
     from npuport.runtime.validation.serve import ServeLimits, serve_model
 
-    serve_model(model, host=host, port=port, served_model=served_model_name, device=device, dtype=dtype, mtp=mtp,
-                max_batch_size=max_batch_size, limits=ServeLimits(max_tokens_limit, request_timeout_s, max_connections),
-                api_key=api_key, announce=click.echo, log=None if quiet else lambda m: click.echo(m, err=True),
-                warn=lambda m: click.echo(m, err=True))
+    check_split(model, devices)
+    serve = functools.partial(
+        serve_model, model, host=host, port=port, served_model=served_model_name, device=device, dtype=dtype,
+        mtp=mtp, max_batch_size=max_batch_size, limits=ServeLimits(max_tokens_limit, request_timeout_s,
+                                                                   max_connections),
+        api_key=api_key, announce=click.echo, log=None if quiet else echo_to_stderr, warn=echo_to_stderr)
+    on_devices(serve, (), devices, device)
 
 
 @main.command("train-tiny")

@@ -5,13 +5,14 @@ of the model - so the collectives inside the model meet. Only rank 0 reads promp
 The calls travel as torch.distributed.broadcast_object_list from rank 0, each with rank 0's dispatch setting
 (runtime/dispatch.py), under which the others make it: every rank sends its tokens in the form the others expect.
 A generate call's stop check (a host function of the decoded text) runs on rank 0 only; each of its answers is
-broadcast, so every rank ends each request at the same step.
+broadcast, so every rank ends each request at the same step. The driver is the process's (a rank process has one
+role), so calls from any thread of rank 0 are mirrored - a server's request threads too - one call at a time.
 """
 
 from __future__ import annotations
 
-import contextvars
 import functools
+import threading
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from typing import Any
@@ -32,6 +33,7 @@ class _Driver:
 
     def __init__(self, parallel: Parallel) -> None:
         self.parallel, self.models = parallel, []
+        self.turn = threading.RLock()  # one mirrored call at a time: the ranks' collectives must meet in order
 
     def send(self, message: Any) -> None:
         dist.broadcast_object_list([message], src=0, group=self.parallel.group)
@@ -47,7 +49,10 @@ class _Driver:
         return decide
 
 
-_driver: contextvars.ContextVar[_Driver | None] = contextvars.ContextVar("npuport_lockstep_driver", default=None)
+class _Current:
+    driver: _Driver | None = None
+
+
 
 
 def _receive(parallel: Parallel) -> Any:
@@ -60,18 +65,18 @@ def _receive(parallel: Parallel) -> Any:
 def driving(parallel: Parallel) -> Iterator[None]:
     """On rank 0 of several: loads and calls inside the block are mirrored on the other ranks (follow), which
     stop when the block ends, an exception included."""
-    token = _driver.set(_Driver(parallel))
+    driver = _Current.driver = _Driver(parallel)
     try:
         yield
     finally:
-        driver = _driver.get()
-        _driver.reset(token)
-        driver.send((_STOP,))
+        _Current.driver = None
+        with driver.turn:
+            driver.send((_STOP,))
 
 
 def driver_parallel() -> Parallel | None:
     """The Parallel of the driving() block this call is in, else None."""
-    driver = _driver.get()
+    driver = _Current.driver
     return None if driver is None else driver.parallel
 
 
@@ -80,12 +85,13 @@ def mirrored_load(load: Callable) -> Callable:
     their own devices) and the model becomes one that calls can name."""
     @functools.wraps(load)
     def call(path, device=None, dtype=torch.bfloat16, parallel=None):
-        driver = _driver.get()
+        driver = _Current.driver
         if driver is None or parallel is not None:
             return load(path, device, dtype, parallel)
-        driver.send((_LOAD, str(path), dtype))
-        model = load(path, device, dtype, driver.parallel)
-        driver.models.append(model)
+        with driver.turn:
+            driver.send((_LOAD, str(path), dtype))
+            model = load(path, device, dtype, driver.parallel)
+            driver.models.append(model)
         return model
     return call
 
@@ -97,14 +103,16 @@ def mirrored(fn: Callable) -> Callable:
 
     @functools.wraps(fn)
     def call(model, *args, **kwargs):
-        driver = _driver.get()
-        if driver is not None and model.parallel.active:
+        driver = _Current.driver
+        if driver is None or not model.parallel.active:
+            return fn(model, *args, **kwargs)
+        with driver.turn:
             check = kwargs.get(_STOP_CHECK)
             if check is not None:
                 kwargs = {**kwargs, _STOP_CHECK: driver.shared_stop_check(check)}
             sent = {**kwargs, _STOP_CHECK: check is not None} if _STOP_CHECK in kwargs else kwargs
             driver.send((fn.__qualname__, driver.index(model), args, sent, current_dispatch().bf16))
-        return fn(model, *args, **kwargs)
+            return fn(model, *args, **kwargs)
     return call
 
 

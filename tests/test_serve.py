@@ -115,12 +115,12 @@ def test_bad_requests_get_an_openai_style_error(runner, payload, status, message
 
 
 @contextmanager
-def serve_process(model: Path) -> Iterator[str]:
-    """`npuport serve MODEL --port 0` in its own process on 127.0.0.1; yields its URL once it listens."""
+def serve_process(model: Path, *options: str) -> Iterator[str]:
+    """`npuport serve MODEL --port 0 [options]` in its own process on 127.0.0.1; yields its URL once it listens."""
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"}
     process = subprocess.Popen([sys.executable, "-m", "npuport.cli", "serve", str(model), "--port", "0",
-                                "--device", "cpu", "--quiet"], stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-                               text=True, env=env)
+                                "--device", "cpu", "--quiet", *options], stdout=subprocess.PIPE,
+                               stderr=subprocess.STDOUT, text=True, env=env)
     lines: queue.Queue[str] = queue.Queue()
     threading.Thread(target=lambda: [lines.put(line) for line in process.stdout], daemon=True).start()
     try:

@@ -5,6 +5,7 @@ output: the same tokens, texts, stop decisions and acceptance for generate, the 
 from __future__ import annotations
 
 import json
+from pathlib import Path
 
 import pytest
 import torch
@@ -76,3 +77,32 @@ def test_rank_0s_dispatch_setting_holds_on_every_rank(tiny_artifacts):
     tokens, payloads = on_devices(generate_under_bf16_dispatch, (path,), 2, "cpu")
     assert payloads == {torch.float32}
     assert tokens == generate_under_bf16_dispatch(path)[0]
+
+
+def test_serve_on_two_devices_answers_as_on_one_and_stops_every_rank(tiny_artifacts):
+    from tests.test_serve import post, serve_process
+
+    model = tiny_artifacts["moe-multimodal-fused"]
+    payload = {"model": str(model), "prompt": ["Question: 2 + 3 =", "Tom has 4 apples."], "max_tokens": 8,
+               "temperature": 0}
+    ranks_before = spawned_processes()
+    answers = []
+    for options in ((), ("--devices", "2")):
+        with serve_process(model, "--dtype", "float32", *options) as url:
+            status, body = post(url, payload)
+            assert status == 200, body
+            answers.append([choice["text"] for choice in body["choices"]])
+    assert answers[1] == answers[0] and all(answers[0])
+    assert spawned_processes() <= ranks_before  # stopping the server stopped its ranks
+
+
+def spawned_processes() -> set[int]:
+    """Live processes started by torch.multiprocessing's spawn (zombies count as gone)."""
+    found = set()
+    for proc in Path("/proc").glob("[0-9]*"):
+        try:
+            if b"spawn_main" in (proc / "cmdline").read_bytes() and ") Z " not in (proc / "stat").read_text():
+                found.add(int(proc.name))
+        except OSError:
+            continue
+    return found

@@ -440,8 +440,9 @@ def serve_model(path: Path | str, *, host: str = DEFAULT_HOST, port: int = 0, se
     warning = exposure_warning(server.server_address[0], key_required=api_key is not None)
     if warning is not None:
         warn(warning)
-    announce(f"serving {path} as model {name!r} on {server.url}/v1 (device {runner.model.device}, MTP k={mtp}); "
-             "Ctrl-C stops it")
+    world = runner.model.parallel.world
+    devices = f"{runner.model.device} x {world}" if world > 1 else f"{runner.model.device}"
+    announce(f"serving {path} as model {name!r} on {server.url}/v1 (device {devices}, MTP k={mtp}); Ctrl-C stops it")
     try:
         server.serve_forever()
     except KeyboardInterrupt:
