@@ -3,8 +3,12 @@ group in equal contiguous ranges, each rank routing its own tokens, sending each
 holds one of its experts - BF16, or int8 values with per-token fp32 scales, as `runtime/dispatch.py` says for the
 layer - and summing the partial outputs that come back (all-to-all both ways, as sglang's DeepEP path does).
 
-The exchange sizes depend on the routing, so a step syncs with the host (the counts go first): steps of a model
-split over several ranks run without graphs. `recording_dispatch()` collects what each MoE layer put on the wire.
+With the token counts of every rank known (`counts`, as a split model knows them) and few tokens in all (decode and
+verify steps), each rank sends its whole slice to every rank - no count exchange, no host synchronisation; a
+token's slots held elsewhere ride along with weight 0 on an expert its receiver already reads. Otherwise (prefill)
+each rank sends a token only where one of its experts is, after exchanging the counts (a host synchronisation).
+Steps of a split model run without graphs: capturing the collectives has not been tried on several GPUs.
+`recording_dispatch()` collects what each MoE layer put on the wire.
 """
 
 from __future__ import annotations
@@ -18,7 +22,7 @@ import torch
 import torch.distributed as dist
 
 from npuport.errors import NpuportError
-from npuport.kernels.fused_moe import StackedExperts, fused_experts
+from npuport.kernels.fused_moe import FEW_PAIRS, StackedExperts, fused_experts
 from npuport.kernels.fused_moe.naive import wide_dtype
 from npuport.kernels.w8a8 import quantize_per_token_int8
 
@@ -87,32 +91,41 @@ def traffic_record(layer: str) -> DispatchRecord | None:
 
 def expert_parallel_experts(x: torch.Tensor, weights: torch.Tensor, expert_ids: torch.Tensor,
                             local: StackedExperts, shard: ExpertShard, int8: bool,
-                            group: dist.ProcessGroup | None = None, record: DispatchRecord | None = None
-                            ) -> torch.Tensor:
+                            group: dist.ProcessGroup | None = None, record: DispatchRecord | None = None,
+                            counts: list[int] | None = None) -> torch.Tensor:
     """This rank's tokens x [M, H] (M may differ between ranks, even be 0), routed: weights [M, top_k] in x's
     dtype and expert_ids [M, top_k] over all of the layer's experts; local: this rank's experts
     (ExpertShard.local). Returns [M, H] in x's dtype: each token's weighted sum over its experts, each rank
     holding some of them adding its share (rounded to x's dtype), the shares summed in rank order in fp32 and
-    rounded once. int8: the tokens travel as int8 values and per-token fp32 scales (W8A8 experts only)."""
+    rounded once. int8: the tokens travel as int8 values and per-token fp32 scales (W8A8 experts only).
+    counts: every rank's M, when the caller knows them; with few tokens in all, the exchange then needs no count
+    exchange and no host synchronisation (each rank's whole slice goes to every rank)."""
     if int8 and not local.quantized:
         raise NpuportError("int8 dispatch into BF16 experts: they cannot take int8 tokens")
     rank, world = dist.get_rank(group), dist.get_world_size(group)
     hidden, top_k = x.shape[1], expert_ids.shape[1]
     owner = expert_ids // shard.per_rank  # [M, top_k]
     tokens = quantize_per_token_int8(x) if int8 else None
+    whole = counts is not None and sum(counts) * top_k <= FEW_PAIRS
     sends = []  # per rank: (rows, token payload, routing)
     for r in range(world):
-        rows = (owner == r).any(1).nonzero().squeeze(1)
+        rows = torch.arange(len(x), device=x.device) if whole else (owner == r).any(1).nonzero().squeeze(1)
         on_r = owner[rows] == r
-        ids = torch.where(on_r, expert_ids[rows] - r * shard.per_rank, 0)  # slots elsewhere: weight 0
+        # slots held elsewhere get weight 0 on the token's first expert here (or expert 0): nothing more to read
+        first_here = (expert_ids[rows] - r * shard.per_rank).gather(1, on_r.int().argmax(1, keepdim=True))
+        fallback = torch.where(on_r.any(1, keepdim=True), first_here, 0)
+        ids = torch.where(on_r, expert_ids[rows] - r * shard.per_rank, fallback)
         # int8 values with each token's fp32 scale as 4 more bytes, or the float tokens
         payload = torch.cat([tokens[0][rows], tokens[1][rows].view(torch.int8)], 1) if int8 else x[rows]
         # the expert ids (int32) bit for bit in fp32 lanes beside the weights: one message
         routing = torch.cat([ids.int().view(torch.float32), torch.where(on_r, weights[rows], 0).float()], 1)
         sends.append((rows, payload, routing))
-    counts = _exchange([torch.tensor([len(s[0])], device=x.device) for s in sends],
-                       [torch.zeros(1, dtype=torch.long, device=x.device) for _ in range(world)], group)
-    n_in = [int(c) for c in counts]
+    if whole:
+        n_in = list(counts)
+    else:  # the counts go first: a host synchronisation
+        got_counts = _exchange([torch.tensor([len(s[0])], device=x.device) for s in sends],
+                               [torch.zeros(1, dtype=torch.long, device=x.device) for _ in range(world)], group)
+        n_in = [int(c) for c in got_counts]
 
     def across(parts: list[torch.Tensor]) -> list[torch.Tensor]:
         return _exchange(parts, [parts[0].new_empty((n, *parts[0].shape[1:])) for n in n_in], group)

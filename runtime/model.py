@@ -325,9 +325,10 @@ class MoE(nn.Module):
         """forward on several ranks, flat [M, H] the same on each: this rank's token slice through the
         experts of every rank (dispatch and combine), its partial shared-expert sum for every token, one
         all-reduce adding both up."""
-        mine = self.parallel.token_rows(flat.shape[0])
+        p = self.parallel
+        mine = p.token_rows(flat.shape[0])
         routed = expert_parallel_experts(flat[mine], weights[mine], chosen[mine], self.experts.stacked(), self.shard,
-                                         int8, self.parallel.group, traffic_record(self.name))
+                                         int8, p.group, traffic_record(self.name), p.token_counts(flat.shape[0]))
         out = shared_weight * self.shared_expert(flat, reduce=False)
         out[mine] += routed
         return self.parallel.all_reduce(out)

@@ -71,9 +71,14 @@ class Parallel:
 
     def token_rows(self, m: int) -> slice:
         """Which of M tokens this rank routes to the experts: contiguous, the first M % world ranks one more."""
+        counts = self.token_counts(m)
+        start = sum(counts[:self.rank])
+        return slice(start, start + counts[self.rank])
+
+    def token_counts(self, m: int) -> list[int]:
+        """How many of M tokens each rank routes (token_rows of every rank)."""
         base, extra = divmod(m, self.world)
-        start = self.rank * base + min(self.rank, extra)
-        return slice(start, start + base + (self.rank < extra))
+        return [base + (r < extra) for r in range(self.world)]
 
     def all_reduce(self, x: torch.Tensor, op: dist.ReduceOp = dist.ReduceOp.SUM) -> torch.Tensor:
         """x summed (or op-ed) over the ranks, in place; x itself on a single device."""

@@ -1,5 +1,6 @@
 """Expert parallelism over real torch.distributed (gloo, 2 processes on CPU): each rank's routed-expert output
-equals the single-process reference on all experts (float32, the shares' sum order aside: 1e-5 relative);
+equals the single-process reference on all experts (float32, the shares' sum order aside: 1e-5 relative), with the
+routed-only exchange and with the whole-slice one (every rank's count known, no count exchange);
 int8 dispatch puts int8 values and fp32 scales on the wire, exactly the per-token quantization of the sender's
 tokens; bad setups fail with a clear error."""
 
@@ -7,6 +8,7 @@ from __future__ import annotations
 
 import socket
 from datetime import timedelta
+from itertools import product
 
 import pytest
 import torch
@@ -48,19 +50,21 @@ def worker(rank: int, port: int) -> None:
         shard = ExpertShard(E, WORLD)
         for tokens in (TOKENS, {0: 4, 1: 0}):  # a rank without tokens still serves the others
             x, weights, ids = rank_tokens(rank, tokens[rank])
-            for quantized, int8 in ((False, False), (True, False), (True, True)):
+            # counts unknown: a token goes where its experts are; known (few tokens): every token to every rank
+            for (quantized, int8), counts in product(((False, False), (True, False), (True, True)),
+                                                   (None, [tokens[0], tokens[1]])):
                 experts = layer_experts(quantized)
                 record = DispatchRecord()
                 got = expert_parallel_experts(x, weights, ids, shard.local(experts, rank), shard, int8,
-                                              record=record)
+                                              record=record, counts=counts)
                 torch.testing.assert_close(got, fused_experts_reference(x, experts, weights, ids),
                                            rtol=1e-5, atol=1e-6)
                 other = 1 - rank
-                to_other = (ids // shard.per_rank == other).any(1)
+                to_other = (ids // shard.per_rank == other).any(1) | (counts is not None)
                 per_token = H + 4 if int8 else H * x.element_size()  # int8 values + an fp32 scale, or the floats
                 assert record.sent_bytes == int(to_other.sum()) * per_token
                 x_o, _, ids_o = rank_tokens(other, tokens[other])
-                from_other = (ids_o // shard.per_rank == rank).any(1)
+                from_other = (ids_o // shard.per_rank == rank).any(1) | (counts is not None)
                 arrived = record.received[other]
                 if int8:  # on the wire: int8, exactly the sender's per-token quantization of those tokens
                     assert arrived.dtype == torch.int8
