@@ -47,9 +47,14 @@ class ExpertShard:
     def per_rank(self) -> int:
         return self.num_experts // self.world
 
+    def ids(self, rank: int) -> range:
+        """The layer's expert numbers that rank holds."""
+        return range(rank * self.per_rank, (rank + 1) * self.per_rank)
+
     def local(self, experts: StackedExperts, rank: int) -> StackedExperts:
         """rank's experts out of all of a layer's (views, no copy)."""
-        span = slice(rank * self.per_rank, (rank + 1) * self.per_rank)
+        ids = self.ids(rank)
+        span = slice(ids.start, ids.stop)
         scales = (None, None) if not experts.quantized else (experts.gate_up_scale[span], experts.down_scale[span])
         return StackedExperts(experts.gate_up[span], experts.down[span], *scales)
 

@@ -23,6 +23,7 @@ from npuport.errors import ArtifactError, CheckpointError, NpuportError
 from npuport.jsonfile import read_json_object
 from npuport.paths import file_inside, hub_cache_blobs
 from npuport.runtime.config import ModelConfig, load_config
+from npuport.runtime.expert_parallel import ExpertShard
 from npuport.runtime.linear import Linear, W8A8Linear
 from npuport.runtime.lockstep import mirrored_load
 from npuport.runtime.model import Experts, Qwen35
@@ -189,8 +190,7 @@ class _Loader:
         several ranks, only this rank's experts (module holds their count; ExpertShard says which)."""
         ck = _checkpoint_name(name, self.prefix)
         e_count, two_i, hidden = module.gate_up_proj.shape
-        first = self.parallel.rank * e_count  # ExpertShard: contiguous equal ranges
-        global_ids = range(first, first + e_count)
+        global_ids = ExpertShard(self.n_experts, self.parallel.world).ids(self.parallel.rank)
         i = two_i // 2
         per_expert = {"gate_proj": (i, hidden), "up_proj": (i, hidden), "down_proj": (hidden, i)}
         labels = {self.ckpt.label(f"{ck}.{e}.{p}.weight") for e in global_ids for p in per_expert

@@ -267,11 +267,10 @@ class Experts(nn.Module):
         return StackedExperts(self.gate_up_proj, self.down_proj)
 
     def forward(self, x: torch.Tensor, weights: torch.Tensor, expert_ids: torch.Tensor,
-                x_int8: QuantizedActivation | None = None) -> torch.Tensor:
+                plan_tokens: int | None = None) -> torch.Tensor:
         """x [M, H], weights and expert_ids [M, top_k] -> [M, H]: the weighted sum of each token's experts.
-        x_int8: x quantized per token (int8 dispatch); W8A8 experts only."""
-        tokens = None if x_int8 is None else (x_int8.values, x_int8.scales)
-        return fused_experts(x, self.stacked(), weights, expert_ids, tokens)
+        plan_tokens: fused_experts'."""
+        return fused_experts(x, self.stacked(), weights, expert_ids, plan_tokens=plan_tokens)
 
 
 class MoE(nn.Module):
@@ -315,7 +314,7 @@ class MoE(nn.Module):
         invariance = current_invariance()  # the expert path and tiles by the call's largest step, not this one
         plan = None if invariance is None else invariance.rows
         if shared is None:
-            routed = fused_experts(flat, self.experts.stacked(), weights, chosen, plan_tokens=plan)
+            routed = self.experts(flat, weights, chosen, plan_tokens=plan)
             return (routed + shared_weight * self.shared_expert(flat)).view(x.shape)
         return routed_and_shared_experts(flat, self.experts.stacked(), weights, chosen, shared, shared_weight,
                                          plan_tokens=plan).view(x.shape)

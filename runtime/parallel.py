@@ -23,8 +23,8 @@ import torch
 import torch.distributed as dist
 
 from npuport.errors import NpuportError
-from npuport.kernels.w8a8 import QMAX, SCALE_FLOOR, int8_matmul_rescale
-from npuport.kernels.w8a8.naive import quantize_with_scale_reference
+from npuport.kernels.w8a8 import int8_matmul_rescale
+from npuport.kernels.w8a8.naive import quantize_with_scale_reference, scale_from_amax_reference
 from npuport.runtime.config import ModelConfig
 from npuport.runtime.linear import Linear, W8A8Linear
 
@@ -178,7 +178,7 @@ def quantize_row_slice(x: torch.Tensor, parallel: Parallel) -> tuple[torch.Tenso
     each row quantized with the scale of the whole row, as one device would (CONTRACT.md's per-token scheme)."""
     amax = x.float().abs().amax(dim=-1, keepdim=True)
     parallel.all_reduce(amax, dist.ReduceOp.MAX)
-    scale = (amax / torch.full_like(amax, QMAX)).clamp_min(SCALE_FLOOR)
+    scale = scale_from_amax_reference(amax)
     return quantize_with_scale_reference(x, scale), scale
 
 

@@ -105,7 +105,7 @@ def run_on_ranks(fn, args: tuple, devices: int, device_kind: str | None, timeout
 def from_torchrun(device_kind: str | None = None, timeout_s: float = DEFAULT_TIMEOUT_S) -> RankInfo | None:
     """When torchrun started this process (RANK, WORLD_SIZE, LOCAL_RANK, MASTER_ADDR, MASTER_PORT set): initialise
     the default group from the environment (env://, backend from distributed_backend, `timeout_s`) and return this
-    rank's RankInfo; the caller destroys the group (dist.destroy_process_group()). Else None."""
+    rank's RankInfo; the caller ends with leave_group() (or dist.destroy_process_group() on failure). Else None."""
     if not all(name in os.environ for name in TORCHRUN_ENV):
         return None
     info = RankInfo(int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"]),
@@ -113,6 +113,13 @@ def from_torchrun(device_kind: str | None = None, timeout_s: float = DEFAULT_TIM
     dist.init_process_group(distributed_backend(info.device), init_method="env://", rank=info.rank,
                             world_size=info.world, timeout=timedelta(seconds=timeout_s))
     return info
+
+
+def leave_group() -> None:
+    """The end of a rank that succeeded: wait for the others, then destroy the default group - no rank tears its
+    connections down while a peer still reads from them."""
+    dist.barrier()
+    dist.destroy_process_group()
 
 
 def _checked_kind(devices: int, device_kind: str | None) -> str:
@@ -148,8 +155,7 @@ def _rank_main(rank: int, fn, args: tuple, world: int, kind: str, store_port: in
         dist.init_process_group(distributed_backend(info.device), store=store, rank=rank, world_size=world,
                                 timeout=timeout)
         result = fn(info, *args)
-        dist.barrier()  # no rank tears its connections down while a peer still reads from them
-        dist.destroy_process_group()
+        leave_group()
         report = ("ok", result if info.is_first else None)
     except Exception as e:  # noqa: BLE001 - every failure goes to the parent, which reports it as one line
         report = ("error", *_describe(e, rank, timeout_s), traceback.format_exc())

@@ -18,7 +18,7 @@ from npuport.runtime.expert_parallel import ExpertShard
 from npuport.runtime.loader import load_model
 from npuport.runtime.lockstep import driving, follow
 from npuport.runtime.parallel import Parallel, local_config
-from npuport.runtime.ranks import RankInfo, from_torchrun, run_on_ranks
+from npuport.runtime.ranks import RankInfo, from_torchrun, leave_group, run_on_ranks
 
 
 def on_devices(target: Callable, args: tuple, devices: int, device_kind: str | None) -> Any:
@@ -29,10 +29,11 @@ def on_devices(target: Callable, args: tuple, devices: int, device_kind: str | N
     if info is not None:
         try:
             result = _rank_main(info, target, args)
-            dist.barrier()  # no rank tears its connections down while a peer still reads from them
-            return result
-        finally:
+        except BaseException:
             dist.destroy_process_group()
+            raise
+        leave_group()
+        return result
     if devices == 1:
         return target(*args)
     return run_on_ranks(_rank_main, (target, args), devices, device_kind)

@@ -336,8 +336,11 @@ def test_gpu_logits_match_the_cpu_references(kind, tiny_checkpoints, tiny_artifa
         # choices (against float32 and against the CPU in bf16 alike). Their GPU kernels are held to the same
         # model on the GPU in bf16 with the PyTorch references for routing and experts instead.
         with monkeypatch.context() as patch:
-            patch.setattr(runtime_model, "fused_experts", lambda x, experts, weights, ids, x_int8=None:
-                          fused_experts_reference(x, experts, weights, ids))
+            patch.setattr(runtime_model, "fused_experts", lambda x, experts, weights, ids, x_int8=None,
+                          plan_tokens=None: fused_experts_reference(x, experts, weights, ids))
+            patch.setattr(runtime_model, "routed_and_shared_experts",  # the path layers with a shared expert take
+                          lambda x, experts, weights, ids, shared, shared_weight, x_int8=None, plan_tokens=None:
+                          fused_experts_reference(x, experts, weights, ids, shared=(shared, shared_weight)))
             patch.setattr(runtime_model, "route_top_k", route_top_k_reference)
             want = forward_logits(gpu16, PROMPTS)[0].cpu().float()
             cpu16 = None

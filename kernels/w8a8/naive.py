@@ -14,10 +14,14 @@ SCALE_FLOOR = 1e-12
 
 def quantize_per_token_int8_reference(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     xf = x.float()
-    amax = xf.abs().amax(dim=-1, keepdim=True)
-    # A true division: on CUDA, dividing by a Python number multiplies by its reciprocal instead (an ulp off).
-    scale = (amax / torch.full_like(amax, QMAX)).clamp_min(SCALE_FLOOR)
+    scale = scale_from_amax_reference(xf.abs().amax(dim=-1, keepdim=True))
     return quantize_with_scale_reference(xf, scale), scale
+
+
+def scale_from_amax_reference(amax: torch.Tensor) -> torch.Tensor:
+    """Per-token scales fp32 [M, 1] from each row's absolute maximum fp32 [M, 1]: amax / 127, floored."""
+    # A true division: on CUDA, dividing by a Python number multiplies by its reciprocal instead (an ulp off).
+    return (amax / torch.full_like(amax, QMAX)).clamp_min(SCALE_FLOOR)
 
 
 def quantize_with_scale_reference(x: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
