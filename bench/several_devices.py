@@ -1,16 +1,17 @@
-"""Benchmark: one model split over N devices (tensor parallel attention / GDN / MLPs, expert parallel MoE) against
-the same model on one device, in the same run: decode and prefill throughput of BF16 and of W8A8 with int8 and with
-BF16 dispatch, and the token payload each MoE layer puts on the wire per decode step.
+"""Benchmark: one model split over N devices (tensor parallel attention / GDN / MLPs, expert parallel MoE) against the
+same model on one device, in the same run: decode and prefill throughput of BF16 and of W8A8 with int8 and with BF16
+dispatch, and the token payload each MoE layer puts on the wire per decode step.
 
     python -P bench/several_devices.py --workdir W --out DIR [--like 122B-A10B] [--layers 4] [--devices 2]
                                        [--batches 1,8,32] [--new-tokens 32] [--device cuda] [--shrink 1]
+                                       [--prepare-only]
 
-`make-tiny --like` writes the model at reduced depth with its real widths and converts it to W8A8; each
-configuration runs through `npuport.runtime.several_devices.on_devices` - the processes and code paths of
-`npuport generate --devices N` - and is timed by runtime/validation/throughput.py's rules (greedy, no stop tokens,
-fastest of 2 after a warm-up). The full-depth memory arithmetic (weights per device at full depth against one
-device's memory) is printed first. --shrink divides every width (a quick run on CPU: `--device cpu --shrink 16`).
-Results: DIR/several_devices.json (rewritten after every measurement), a JSON line per measurement on stdout.
+`make-tiny --like` writes the model at reduced depth with its real widths and converts it to W8A8; each configuration
+runs through `npuport.runtime.several_devices.on_devices` - the processes and code paths of `npuport generate --devices
+N` - and is timed by runtime/validation/throughput.py's rules (greedy, no stop tokens, fastest of 2 after a warm-up;
+steps captured as graphs with their collectives). The full-depth memory arithmetic (weights per device at full depth
+against one device's memory) is printed first. --shrink divides every width (a quick run on CPU: `--device cpu --shrink
+16`). Results: DIR/several_devices.json (rewritten after every measurement), a JSON line per measurement on stdout.
 """
 
 from __future__ import annotations
@@ -33,6 +34,7 @@ from npuport.runtime.several_devices import on_devices
 from npuport.runtime.validation.throughput import measure_throughput
 
 PROMPT_TOKENS = 512
+CONVERT_WORKERS = 8
 
 
 def full_depth_bytes(like: str) -> dict:
@@ -66,8 +68,9 @@ def timed_configs(path_bf16: str, path_w8a8: str, batches: list[int], new_tokens
             with dispatch(bf16=bf16):
                 for batch in batches:
                     run = measure_throughput(model, prompts[:batch], new_tokens, label=name, repeats=2)
-                    with recording_dispatch() as records:  # a prefill, then one decode step
-                        generate(model, prompts[:batch], 2)
+                    # a prefill, then one eager decode step (a replayed graph records nothing)
+                    with recording_dispatch() as records:
+                        generate(model, prompts[:batch], 2, graphs=False)
                     step = records[-len(model.layers):] if model.parallel.active else []
                     rows.append({"config": name, "batch": batch, "devices": model.parallel.world,
                                  "ms_per_token": run.time_per_output_token_ms,
@@ -89,6 +92,8 @@ def main() -> None:
     parser.add_argument("--new-tokens", type=int, default=32)
     parser.add_argument("--device", default="cuda")
     parser.add_argument("--shrink", type=int, default=1, help="Divide every width by this (quick CPU runs).")
+    parser.add_argument("--prepare-only", action="store_true",
+                        help="Write the source and its W8A8 artifact into --workdir and stop (later runs reuse them).")
     args = parser.parse_args()
     args.out.mkdir(parents=True, exist_ok=True)
     result: dict = {"like": args.like, "layers": args.layers, "full_depth": full_depth_bytes(args.like), "rows": []}
@@ -96,9 +101,13 @@ def main() -> None:
         result["device"] = torch.cuda.get_device_name()
         result["device_GB"] = torch.cuda.get_device_properties(0).total_memory / 1e9
     print(json.dumps(result), flush=True)
-    spec = dataclasses.replace(like_spec(args.like, args.layers), shrink_widths=args.shrink)
-    source = make_tiny(args.workdir / "source", spec)
-    artifact = convert_qwen35(source, args.workdir / "artifact", show_progress=False, log=lambda m: None).out
+    source, artifact = args.workdir / "source", args.workdir / "artifact"
+    if not artifact.exists():  # a workdir that --prepare-only filled is reused
+        spec = dataclasses.replace(like_spec(args.like, args.layers), shrink_widths=args.shrink)
+        make_tiny(source, spec)
+        convert_qwen35(source, artifact, workers=CONVERT_WORKERS, show_progress=False, log=lambda m: None)
+    if args.prepare_only:
+        return
     batches = [int(b) for b in args.batches.split(",")]
     for devices in (1, args.devices):
         if args.device == "cuda":

@@ -68,6 +68,12 @@ def launch_options(device: torch.device, num_warps: int, num_stages: int = 2, np
     return {}
 
 
+def stages_within(budget_bytes: int, num_stages: int, stage_bytes: int) -> int:
+    """num_stages, or fewer, so that the tiles Triton's software pipelining keeps in shared memory fit
+    budget_bytes: (stages - 1) x stage_bytes on NVIDIA GPUs, the figure its compiler reports. At least 1."""
+    return max(1, min(num_stages, budget_bytes // stage_bytes + 1))
+
+
 def dependent_launch(device: torch.device) -> bool:
     """Whether kernels on `device` can overlap the kernel before them in the stream: launched with
     launch_options(..., dependent=True), a kernel starts while its predecessor still runs (once every program

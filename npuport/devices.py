@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import functools
 import importlib
+import weakref
 
 import torch
 
@@ -88,6 +89,19 @@ def multiprocessor_count(device: torch.device) -> int:
     return H200_MULTIPROCESSORS
 
 
+# Shared memory one block of an H100 / H200 may opt into: the budget where no GPU is there to ask (tests that
+# compile kernels for Hopper without one).
+HOPPER_SHARED_MEMORY_PER_BLOCK = 232448
+
+
+@functools.cache
+def shared_memory_per_block(device: torch.device) -> int:
+    """Bytes of shared memory one block can use on `device` (its opt-in maximum); an H100's where no GPU answers."""
+    if is_gpu(device) and torch.cuda.is_available():
+        return torch.cuda.get_device_properties(device).shared_memory_per_block_optin
+    return HOPPER_SHARED_MEMORY_PER_BLOCK
+
+
 @functools.cache
 def supports_dependent_launch(device: torch.device) -> bool:
     """Whether a kernel on `device` can be launched while the kernel before it still runs and wait for its
@@ -129,6 +143,11 @@ def distributed_backend(device: torch.device) -> str:
     return {"cuda": "nccl", "npu": "hccl"}.get(device.type, "gloo")
 
 
+def capturing_graph(device: torch.device) -> bool:
+    """Whether work queued now on `device` is being captured into a graph rather than run."""
+    return is_gpu(device) and torch.cuda.is_current_stream_capturing()
+
+
 def graphs_supported(device: torch.device) -> bool:
     """Whether decode / verify steps can be captured and replayed as graphs here (CUDA graphs)."""
     return is_gpu(device)
@@ -138,11 +157,22 @@ class DeviceGraph:
     """A step of device work captured once and replayed as one launch (a CUDA graph). Capture runs `fn`
     without executing it; the caller warms `fn` up first (kernel compilation, workspaces), on scratch state."""
 
+    _live: weakref.WeakSet[DeviceGraph] = weakref.WeakSet()  # every graph of this process not yet collected
+
     def __init__(self, device: torch.device) -> None:
         if not graphs_supported(device):
             raise NpuportError(f"graph capture is not available on {device}")
         self.device = device
         self.graph = torch.cuda.CUDAGraph()
+        DeviceGraph._live.add(self)
+
+    @classmethod
+    def release_all(cls) -> None:
+        """Free every graph of this process (none can be replayed after). A process group whose collectives a
+        graph captured cannot be destroyed while the graph lives: NCCL's communicator teardown waits for it."""
+        for graph in list(cls._live):
+            graph.graph.reset()
+        cls._live.clear()
 
     def warm_up(self, fn):
         """Run fn() eagerly on a side stream, as capture wants; returns its result."""
@@ -154,8 +184,10 @@ class DeviceGraph:
         return out
 
     def capture(self, fn):
-        """Record fn(); returns its outputs, which every replay overwrites in place."""
-        with torch.cuda.graph(self.graph):
+        """Record fn(); returns its outputs, which every replay overwrites in place. With a process group up, the
+        capture only forbids this thread's unsafe calls: the NCCL watchdog thread queries its events meanwhile."""
+        grouped = torch.distributed.is_available() and torch.distributed.is_initialized()
+        with torch.cuda.graph(self.graph, capture_error_mode="thread_local" if grouped else "global"):
             return fn()
 
     def replay(self) -> None:

@@ -3,11 +3,12 @@ group in equal contiguous ranges, each rank routing its own tokens, sending each
 holds one of its experts - BF16, or int8 values with per-token fp32 scales, as `runtime/dispatch.py` says for the
 layer - and summing the partial outputs that come back (all-to-all both ways, as sglang's DeepEP path does).
 
-With the token counts of every rank known (`counts`, as a split model knows them) and few tokens in all (decode and
-verify steps), each rank sends its whole slice to every rank - no count exchange, no host synchronisation; a
-token's slots held elsewhere ride along with weight 0 on an expert its receiver already reads. Otherwise (prefill)
-each rank sends a token only where one of its experts is, after exchanging the counts (a host synchronisation).
-Steps of a split model run without graphs: capturing the collectives has not been tried on several GPUs.
+With the token counts of every rank known (`counts`, as a split model knows them) and few tokens in all or a graph
+being captured (decode and verify steps), each rank sends its whole slice to every rank - no count exchange, no host
+synchronisation, shapes fixed by the counts, so a step can be captured as a graph with its collectives; a token's
+slots held elsewhere ride along with weight 0 on an expert its receiver already reads. Otherwise (prefill) each rank
+sends a token only where one of its experts is, after exchanging the counts (a host synchronisation). One
+all-to-all carries the tokens and their routing, one brings the experts' shares back.
 `recording_dispatch()` collects what each MoE layer put on the wire.
 """
 
@@ -21,10 +22,17 @@ from dataclasses import dataclass, field
 import torch
 import torch.distributed as dist
 
+from npuport.devices import capturing_graph
 from npuport.errors import NpuportError
-from npuport.kernels.fused_moe import FEW_PAIRS, StackedExperts, fused_experts
+from npuport.kernels.fused_moe import StackedExperts, fused_experts
 from npuport.kernels.fused_moe.naive import wide_dtype
 from npuport.kernels.w8a8 import quantize_per_token_int8
+
+# Calls of up to this many tokens over all ranks, and every call being captured as a graph, send every token to
+# every rank. The cost is the weight-0 slots (an expert already read: for few tokens little more than the
+# arithmetic, for a prefill twice each rank's expert work) and M x hidden bytes per rank on the wire; what it buys
+# is no count exchange, so no host synchronisation.
+WHOLE_SLICE_TOKENS = 128
 
 
 @dataclass(frozen=True)
@@ -103,16 +111,17 @@ def expert_parallel_experts(x: torch.Tensor, weights: torch.Tensor, expert_ids: 
     (ExpertShard.local). Returns [M, H] in x's dtype: each token's weighted sum over its experts, each rank
     holding some of them adding its share (rounded to x's dtype), the shares summed in rank order in fp32 and
     rounded once. int8: the tokens travel as int8 values and per-token fp32 scales (W8A8 experts only).
-    counts: every rank's M, when the caller knows them; with few tokens in all, the exchange then needs no count
-    exchange and no host synchronisation (each rank's whole slice goes to every rank)."""
+    counts: every rank's M, when the caller knows them; with at most WHOLE_SLICE_TOKENS in all, or in a graph
+    capture, the exchange then needs no count exchange and no host synchronisation (each rank's whole slice goes
+    to every rank)."""
     if int8 and not local.quantized:
         raise NpuportError("int8 dispatch into BF16 experts: they cannot take int8 tokens")
     rank, world = dist.get_rank(group), dist.get_world_size(group)
     hidden, top_k = x.shape[1], expert_ids.shape[1]
     owner = expert_ids // shard.per_rank  # [M, top_k]
     tokens = quantize_per_token_int8(x) if int8 else None
-    whole = counts is not None and sum(counts) * top_k <= FEW_PAIRS
-    sends = []  # per rank: (rows, token payload, routing)
+    whole = counts is not None and (sum(counts) <= WHOLE_SLICE_TOKENS or capturing_graph(x.device))
+    sends = []  # per rank: (rows, message: the token payload's bytes, then the routing's)
     for r in range(world):
         rows = torch.arange(len(x), device=x.device) if whole else (owner == r).any(1).nonzero().squeeze(1)
         on_r = owner[rows] == r
@@ -122,36 +131,40 @@ def expert_parallel_experts(x: torch.Tensor, weights: torch.Tensor, expert_ids: 
         ids = torch.where(on_r, expert_ids[rows] - r * shard.per_rank, fallback)
         # int8 values with each token's fp32 scale as 4 more bytes, or the float tokens
         payload = torch.cat([tokens[0][rows], tokens[1][rows].view(torch.int8)], 1) if int8 else x[rows]
-        # the expert ids (int32) bit for bit in fp32 lanes beside the weights: one message
+        # the expert ids (int32) bit for bit in fp32 lanes beside the weights
         routing = torch.cat([ids.int().view(torch.float32), torch.where(on_r, weights[rows], 0).float()], 1)
-        sends.append((rows, payload, routing))
+        sends.append((rows, torch.cat([payload.view(torch.uint8), routing.view(torch.uint8)], 1)))
+    payload_bytes = sends[0][1].shape[1] - 2 * top_k * 4  # per token
     if whole:
         n_in = list(counts)
     else:  # the counts go first: a host synchronisation
         got_counts = _exchange([torch.tensor([len(s[0])], device=x.device) for s in sends],
                                [torch.zeros(1, dtype=torch.long, device=x.device) for _ in range(world)], group)
         n_in = [int(c) for c in got_counts]
+    # one all-to-all carries the tokens and their routing
+    got = _exchange([s[1] for s in sends], [sends[0][1].new_empty((n, sends[0][1].shape[1])) for n in n_in], group)
 
-    def across(parts: list[torch.Tensor]) -> list[torch.Tensor]:
-        return _exchange(parts, [parts[0].new_empty((n, *parts[0].shape[1:])) for n in n_in], group)
+    def payload_of(message: torch.Tensor) -> torch.Tensor:
+        return message[:, :payload_bytes].contiguous().view(torch.int8 if int8 else x.dtype)
 
-    got, got_routing = across([s[1] for s in sends]), torch.cat(across([s[2] for s in sends]))
-    values = [g[:, :hidden] for g in got]
     if record is not None:
-        record.sent_bytes += sum(s[1].numel() * s[1].element_size() for r, s in enumerate(sends) if r != rank)
-        record.received, record.payload, record.tokens = values, values[0].dtype, x.shape[0]
+        record.sent_bytes += sum(len(rows) * payload_bytes for r, (rows, _) in enumerate(sends) if r != rank)
+        record.received = [payload_of(g)[:, :hidden] for g in got]
+        record.payload, record.tokens = record.received[0].dtype, x.shape[0]
     # Every received token through this rank's experts at once; slots held elsewhere carry weight 0.
-    ids = got_routing[:, :top_k].contiguous().view(torch.int32).long()
-    route_weights = got_routing[:, top_k:].to(x.dtype)
     arrived = torch.cat(got)
+    routing = arrived[:, payload_bytes:].contiguous().view(torch.float32)
+    ids = routing[:, :top_k].contiguous().view(torch.int32).long()
+    route_weights = routing[:, top_k:].to(x.dtype)
+    tokens_in = payload_of(arrived)
     if int8:
-        quantized = (arrived[:, :hidden].contiguous(), arrived[:, hidden:].contiguous().view(torch.float32))
+        quantized = (tokens_in[:, :hidden].contiguous(), tokens_in[:, hidden:].contiguous().view(torch.float32))
         share = fused_experts(x.new_empty(len(arrived), hidden), local, route_weights, ids, quantized)
     else:
-        share = fused_experts(arrived, local, route_weights, ids)
-    back = _exchange(list(share.split(n_in)), [x.new_empty(len(s[0]), hidden) for s in sends], group)
+        share = fused_experts(tokens_in, local, route_weights, ids)
+    back = _exchange(list(share.split(n_in)), [x.new_empty(len(rows), hidden) for rows, _ in sends], group)
     total = torch.zeros(x.shape, dtype=wide_dtype(x.dtype), device=x.device)
-    for (rows, *_), part in zip(sends, back, strict=True):  # rank order
+    for (rows, _), part in zip(sends, back, strict=True):  # rank order
         total.index_add_(0, rows, part.to(total.dtype))
     return total.to(x.dtype)
 

@@ -398,14 +398,13 @@ class Steps:
 
 def use_graphs(model: Qwen35, graphs: bool | None) -> bool:
     """Capture steps as graphs: by default where the device supports it (MoE too: its routing stays on the
-    device, in shapes fixed by the batch) and the model is on one device (expert parallelism exchanges
-    routing-dependent counts through the host)."""
-    supported = graphs_supported(model.device) and not model.parallel.active
+    device, in shapes fixed by the batch; a split model's steps too, their collectives captured with them: the
+    expert-parallel exchange of a step has shapes fixed by the batch, expert_parallel.py)."""
+    supported = graphs_supported(model.device)
     if graphs is None:
         return supported
     if graphs and not supported:
-        where = "a model split over several devices" if model.parallel.active else str(model.device)
-        raise NpuportError(f"graph capture is not available on {where}")
+        raise NpuportError(f"graph capture is not available on {model.device}")
     return graphs
 
 

@@ -425,7 +425,9 @@ class Qwen35(nn.Module):
             DecoderLayer(local, kind, f"layers.{i}", self.parallel) for i, kind in enumerate(config.layer_types)
         )
         self.norm = RMSNorm(h, config.rms_norm_eps)
-        self.lm_head = None if config.tie_word_embeddings else Linear(h, config.vocab_size)
+        self.vocab_rows = self.parallel.vocab_rows(config.vocab_size)  # this rank's logits; None: all
+        vocab = config.vocab_size if self.vocab_rows is None else self.vocab_rows.stop - self.vocab_rows.start
+        self.lm_head = None if config.tie_word_embeddings else Linear(h, vocab)
         self.mtp = MTPHead(local, self.parallel) if with_mtp else None
         # decode / verify steps batch-invariant (runtime/invariance.py): True, False, or None: off
         # (generate.use_invariance)
@@ -483,10 +485,14 @@ class Qwen35(nn.Module):
             return run_layers(self.layers, state.layers, self.embed_tokens(tokens), step, self.norm, hidden_states)
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        """[..., hidden] -> [..., vocab]."""
-        if self.lm_head is None:
-            return float_linear(hidden, self.embed_tokens.weight)
-        return self.lm_head(hidden)
+        """[..., hidden] -> [..., vocab]. On several ranks each computes its vocabulary rows' and they are
+        gathered."""
+        if self.lm_head is not None:
+            mine = self.lm_head(hidden)
+        else:  # tied: the embedding's rows (all, or this rank's)
+            table = self.embed_tokens.weight
+            mine = float_linear(hidden, table if self.vocab_rows is None else table[self.vocab_rows])
+        return mine if self.vocab_rows is None else self.parallel.all_gather_last(mine)
 
     def mtp_forward(self, next_tokens: torch.Tensor, hidden: torch.Tensor, state: ModelState,
                     start: torch.Tensor | None = None, logits_at: torch.Tensor | None = None

@@ -5,7 +5,8 @@ npuport.devices.distributed_backend says).
 Every rank holds every token. Column-parallel projections (attention's q/k/v, the GDN input projections and
 conv, an MLP's gate/up) give each rank its heads or intermediate channels; row-parallel ones (o_proj, out_proj,
 down_proj) give each rank a partial sum of the full output, which one all-reduce completes. The GDN states and
-KV caches follow the heads. The router, norms, embeddings, lm_head and the MTP head's fc are replicated. The
+KV caches follow the heads. The lm_head splits by vocabulary entry (each rank's logits gathered: it is the largest
+tensor a decode step reads). The router, norms, embeddings and the MTP head's fc are replicated. The
 routed experts split by expert (runtime/expert_parallel.py); a rank routes only its own slice of the tokens
 (`token_rows`) and dispatches them to the experts' ranks.
 
@@ -27,6 +28,9 @@ from npuport.kernels.w8a8 import int8_matmul_rescale
 from npuport.kernels.w8a8.naive import quantize_with_scale_reference, scale_from_amax_reference
 from npuport.runtime.config import ModelConfig
 from npuport.runtime.linear import Linear, W8A8Linear
+
+# the one-tensor all-gather: torch >= 2.13 names it all_gather_single (all_gather_into_tensor is deprecated there)
+_all_gather_rows = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
 
 
 @dataclass(frozen=True)
@@ -79,6 +83,20 @@ class Parallel:
         """How many of M tokens each rank routes (token_rows of every rank)."""
         base, extra = divmod(m, self.world)
         return [base + (r < extra) for r in range(self.world)]
+
+    def vocab_rows(self, vocab: int) -> slice | None:
+        """The rows of the lm_head (vocabulary entries) this rank computes logits for; None: all of them (one
+        device, or a vocabulary the ranks do not divide, whose lm_head every rank then holds whole)."""
+        if not self.active or vocab % self.world:
+            return None
+        return self.part(vocab, "vocabulary entries")
+
+    def all_gather_last(self, x: torch.Tensor) -> torch.Tensor:
+        """x [..., n] from every rank -> [..., world * n], rank r's x in columns [r * n, (r + 1) * n)."""
+        rows = x.reshape(-1, x.shape[-1]).contiguous()
+        out = rows.new_empty(self.world * rows.shape[0], rows.shape[1])
+        _all_gather_rows(out, rows, group=self.group)  # rank r's rows in out's block r
+        return out.view(self.world, *rows.shape).permute(1, 0, 2).reshape(*x.shape[:-1], -1)
 
     def all_reduce(self, x: torch.Tensor, op: dist.ReduceOp = dist.ReduceOp.SUM) -> torch.Tensor:
         """x summed (or op-ed) over the ranks, in place; x itself on a single device."""
@@ -133,6 +151,9 @@ _NAME = re.compile(r"(self_attn|linear_attn|shared_expert|mlp)\.(\w+?)(?:\.(weig
 def weight_part(name: str, config: ModelConfig, parallel: Parallel) -> Part | None:
     """Which part of tensor `name` (the runtime's name, e.g. `layers.0.self_attn.o_proj.weight`) this rank
     loads; None: all of it. The routed experts are ExpertShard's."""
+    if name == "lm_head.weight":
+        vocab = parallel.vocab_rows(config.vocab_size)
+        return None if vocab is None else Part(0, ((vocab.start, vocab.stop),), config.vocab_size)
     match = _NAME.search(name) if parallel.active else None
     if match is None:
         return None

@@ -22,7 +22,7 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-from npuport.devices import device_count, distributed_backend, make_current, with_index
+from npuport.devices import DeviceGraph, device_count, distributed_backend, make_current, with_index
 from npuport.devices import device_kind as resolve_device_kind
 from npuport.errors import NpuportError
 
@@ -116,8 +116,10 @@ def from_torchrun(device_kind: str | None = None, timeout_s: float = DEFAULT_TIM
 
 
 def leave_group() -> None:
-    """The end of a rank that succeeded: wait for the others, then destroy the default group - no rank tears its
-    connections down while a peer still reads from them."""
+    """The end of a rank that succeeded: free its captured graphs (those holding collectives would block the
+    teardown), wait for the others, then destroy the default group - no rank tears its connections down while a
+    peer still reads from them."""
+    DeviceGraph.release_all()
     dist.barrier()
     dist.destroy_process_group()
 

@@ -12,7 +12,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from npuport.devices import is_cpu
+from npuport.devices import DeviceGraph, is_cpu
 from npuport.runtime.config import load_config
 from npuport.runtime.expert_parallel import ExpertShard
 from npuport.runtime.loader import load_model
@@ -30,6 +30,7 @@ def on_devices(target: Callable, args: tuple, devices: int, device_kind: str | N
         try:
             result = _rank_main(info, target, args)
         except BaseException:
+            DeviceGraph.release_all()
             dist.destroy_process_group()
             raise
         leave_group()

@@ -9,7 +9,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-pytest.importorskip("triton")
+triton = pytest.importorskip("triton")
 
 from npuport.kernels.fused_moe import (  # noqa: E402
     GroupedConfig,
@@ -229,3 +229,29 @@ def test_the_shared_expert_rides_along_as_one_more_slot(monkeypatch, quantized, 
     want = fused_experts_reference(x, stacked, weights, ids, shared=(shared, shared_weight))
     torch.testing.assert_close(got.float(), want.float(), atol=1e-2, rtol=1e-2)
     assert (got == want).float().mean() >= (0.98 if quantized else 0.9)
+
+
+@pytest.mark.parametrize("pairs", [64, 8192, 32768], ids=["decode", "short prefill", "long prefill"])
+@pytest.mark.parametrize("gated", [True, False], ids=["gate-up", "down"])
+def test_grouped_gemm_tiles_fit_hopper_shared_memory_in_float32(pairs, gated):
+    """Compiled for an H100 / H200 (sm_90) by Triton itself, no GPU needed: with the tiles grouped_config picks
+    at 256 experts and the stages grouped_stages allows, float32 experts (a --dtype float32 run) stay within one
+    block's shared memory - a float32 prefill on an H100 asked for 245,760 of its 232,448 bytes before."""
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+
+    from npuport.devices import HOPPER_SHARED_MEMORY_PER_BLOCK
+    from npuport.kernels.fused_moe.grouped_gemm import _grouped_gemm_kernel, grouped_config, grouped_stages
+
+    config = grouped_config(pairs, 256, torch.device("cuda"))
+    stages = grouped_stages(config, 4, gated, HOPPER_SHARED_MEMORY_PER_BLOCK)
+    pointers = ["a", "a_scale", "w", "w_scale", "route_weight", "rows", "block_expert", "out"]
+    ints = ["N", "K", "PAIRS", "A_DIV", "n_tasks", "sa_m", "sw_e", "sw_n", "sws_e", "so_m"]
+    signature = {name: "*i32" if name in ("rows", "block_expert") else "*fp32" for name in pointers}
+    signature |= dict.fromkeys(ints, "i32")
+    constants = {"BLOCK": config.block, "BN": config.bn, "BK": config.bk, "INT8": False, "GATED": gated,
+                 "ROUTED": not gated}
+    signature |= dict.fromkeys(constants, "constexpr")
+    kernel = triton.compile(ASTSource(_grouped_gemm_kernel, signature, constants), target=GPUTarget("cuda", 90, 32),
+                            options={"num_warps": config.num_warps, "num_stages": stages})
+    assert 0 < kernel.metadata.shared <= HOPPER_SHARED_MEMORY_PER_BLOCK, (config, stages, kernel.metadata.shared)

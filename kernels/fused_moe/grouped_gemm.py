@@ -9,9 +9,9 @@ from dataclasses import dataclass
 
 import torch
 
-from npuport.devices import is_gpu
+from npuport.devices import is_gpu, shared_memory_per_block
 from npuport.kernels.fused_moe.routing import BlockRouting
-from npuport.kernels.launch import jit, launch, launch_options, persistent_grid, tl, unit_last_stride
+from npuport.kernels.launch import jit, launch, launch_options, persistent_grid, stages_within, tl, unit_last_stride
 
 
 @dataclass(frozen=True)
@@ -36,6 +36,14 @@ def grouped_config(pairs: int, num_experts: int, device: torch.device) -> Groupe
     if rows_per_expert <= 64:
         return GroupedConfig(block=32, bn=64, bk=128, num_warps=4, num_stages=4)
     return GroupedConfig(block=64, bn=128, bk=64, num_warps=4, num_stages=4)
+
+
+def grouped_stages(config: GroupedConfig, element_bytes: int, gated: bool, shared_bytes: int) -> int:
+    """config's pipeline stages, fewer where float32 tiles (element_bytes 4) would overflow the GPU's shared
+    memory per block (shared_bytes): a stage holds the activation tile [block, BK] and one weight tile [BK, BN]
+    per output half (two when gated)."""
+    stage = (config.block + (2 if gated else 1) * config.bn) * config.bk * element_bytes
+    return stages_within(shared_bytes, config.num_stages, stage)
 
 
 # NPU budget (block 16, BN 64, BK 128): the activation tile [16, 128] and two weight tiles [128, 64] in bf16
@@ -114,6 +122,8 @@ def grouped_gemm(a: torch.Tensor, a_scale: torch.Tensor | None, w: torch.Tensor,
            route_weight, routing.rows, routing.block_expert, out, n, k, routing.pairs, a_div, n_tasks, a.stride(0),
            w.stride(0), w.stride(1), w_scale.stride(0) if int8 else 0, out.stride(0), BLOCK=routing.block,
            BN=config.bn, BK=config.bk, INT8=int8, GATED=gated, ROUTED=route_weight is not None,
-           **launch_options(a.device, num_warps=config.num_warps, num_stages=config.num_stages,
+           **launch_options(a.device, num_warps=config.num_warps,
+                            num_stages=grouped_stages(config, w.element_size(), gated,
+                                                      shared_memory_per_block(a.device)),
                             npu={"multibuffer": False}))
     return out
