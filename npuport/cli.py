@@ -183,10 +183,17 @@ def convert_cmd(src: Path, out: Path, a8w8: bool, recipe_path: Path | None, forc
 @main.command("check")
 @click.argument("artifact", type=click.Path(path_type=Path, exists=True, file_okay=False))
 def check_cmd(artifact: Path) -> None:
-    """Check ARTIFACT against the W8A8 checkpoint contract; list every violation, exit 1 if any."""
+    """Check ARTIFACT against the W8A8 checkpoint contract; list every violation, exit 1 if any. Then warn of what
+    serving engines are known to do with an artifact like it (npuport's table of engine facts, each with its
+    workaround and source)."""
     from npuport.convert.check import check_artifact
+    from npuport.convert.engine_facts import artifact_labels, facts_for
 
-    _report_problems(artifact, check_artifact(artifact))
+    problems = check_artifact(artifact)
+    if not problems:
+        for fact in facts_for(artifact_labels(artifact), "breaks"):
+            click.echo(f"warning: {fact.warning()}")
+    _report_problems(artifact, problems)
 
 
 @main.command("demo")
@@ -299,8 +306,18 @@ from npuport.runtime.validation.gsm8k import DEFAULT_PROTOCOL, LM_EVAL_SEED, MAX
               help="The BF16 source: the same run on it (built-in runtime), the paired accuracy difference and "
                    "fidelity.")
 @click.option("--endpoint", metavar="URL", help="Run the artifact on an OpenAI-compatible server (/v1/completions) "
-              "instead of the built-in runtime; fidelity and throughput are then not measured for it.")
+              "instead of the built-in runtime; throughput is then not measured, and fidelity comes from the "
+              "servers' log-probabilities.")
 @click.option("--endpoint-model", metavar="NAME", help="The model name to send (default: ARTIFACT as given).")
+@click.option("--reference-endpoint", metavar="URL",
+              help="The BF16 reference on an OpenAI-compatible server instead of --reference: the same GSM8K run on "
+                   "it, the paired difference, and fidelity from log-probabilities (echo + logprobs where the "
+                   "server takes them).")
+@click.option("--reference-endpoint-model", metavar="NAME",
+              help="The model name to send to --reference-endpoint (default: the one model it lists).")
+@click.option("--fidelity-top-k", type=click.IntRange(1, 20), default=5, show_default=True,
+              help="Log-probabilities per position asked of a server for fidelity (the OpenAI API gives at most 5; "
+                   "vLLM and npuport serve 20).")
 @click.option("--parallel", type=click.IntRange(min=1), default=16, show_default=True,
               help="Requests in flight to --endpoint.")
 @click.option("--timeout", "timeout_s", type=click.FloatRange(min=0, min_open=True), default=600.0, show_default=True,
@@ -327,14 +344,17 @@ from npuport.runtime.validation.gsm8k import DEFAULT_PROTOCOL, LM_EVAL_SEED, MAX
               help="Report folder (default: ./validation-<ARTIFACT folder name>).")
 def validate_cmd(artifact: Path, gsm8k: bool, protocol: str, data: Path | None, num_questions: int | None,
                  shots: int | None, max_new_tokens: int, batch_size: int, mtp: int, seed: int, reference: Path | None,
-                 endpoint: str | None, endpoint_model: str | None, parallel: int, timeout_s: float, retries: int,
+                 endpoint: str | None, endpoint_model: str | None, reference_endpoint: str | None,
+                 reference_endpoint_model: str | None, fidelity_top_k: int, parallel: int, timeout_s: float,
+                 retries: int,
                  device: str | None, devices: int, dtype: str, batch_invariant: bool, fidelity_questions: int | None,
                  throughput: bool,
                  max_accuracy_drop: float, min_acceptance: float | None, chat_template_kwargs: str | None,
                  out: Path | None) -> None:
-    """Validate the W8A8 ARTIFACT: GSM8K accuracy, and with --reference the paired difference and fidelity
-    against the BF16 source; throughput and MTP acceptance; report.json, report.md, plots and completions.jsonl.
-    Exits 1 when a gate fails."""
+    """Validate the W8A8 ARTIFACT: GSM8K accuracy, and with --reference (or --reference-endpoint) the paired
+    difference and fidelity against the BF16 source; throughput and MTP acceptance; report.json, report.md, plots
+    and completions.jsonl. Either side may run on a server (--endpoint, --reference-endpoint). Exits 1 when a gate
+    fails."""
     import json
 
     from npuport.runtime.several_devices import check_split, on_devices
@@ -349,7 +369,8 @@ def validate_cmd(artifact: Path, gsm8k: bool, protocol: str, data: Path | None, 
     options = ValidateOptions(artifact, protocol, data, num_questions, shots, max_new_tokens, batch_size, mtp, seed,
                               reference, endpoint, endpoint_model, parallel, timeout_s, retries, device, dtype,
                               fidelity_questions, throughput, max_accuracy_drop, min_acceptance, template_kwargs,
-                              batch_invariant)
+                              batch_invariant, reference_endpoint=reference_endpoint,
+                              reference_endpoint_model=reference_endpoint_model, fidelity_top_k=fidelity_top_k)
     if devices > 1 and endpoint:
         raise NpuportError("--devices splits the built-in runtime's model; with --endpoint the server runs it")
     for model in (artifact, reference) if reference is not None else (artifact,):
@@ -378,7 +399,7 @@ def validate_cmd(artifact: Path, gsm8k: bool, protocol: str, data: Path | None, 
 @click.option("--mtp", type=click.IntRange(0, 4), default=0, show_default=True,
               help="MTP speculative decoding with K draft tokens per round (0 = off).")
 @click.option("--max-batch-size", type=click.IntRange(min=1), default=16, show_default=True,
-              help="Prompts of one request generated together.")
+              help="Rows (prompts x n) generated together: requests in flight share a batch up to this many.")
 @click.option("--max-tokens-limit", type=click.IntRange(min=1), default=4096, show_default=True,
               help="The largest max_tokens a request may ask for (the model's context bounds it as well).")
 @click.option("--request-timeout", "request_timeout_s", type=click.FloatRange(min=0, min_open=True), default=30.0,
@@ -396,7 +417,9 @@ def serve_cmd(model: Path, port: int, host: str, served_model_name: str | None, 
               max_tokens_limit: int, request_timeout_s: float, max_connections: int, api_key: str | None,
               device: str | None, devices: int, dtype: str, quiet: bool) -> None:
     """Serve MODEL (a W8A8 artifact or BF16 source) on the built-in runtime as an OpenAI-compatible endpoint:
-    POST /v1/completions, GET /v1/models. One request runs at a time."""
+    POST /v1/completions and /v1/chat/completions (logprobs, echo, n, stream; prompts as text or token ids; chat
+    through the model's own template), GET /v1/models and /health. Requests in flight are batched together: one
+    that arrives while a batch runs joins the next one."""
     import functools
 
     from npuport.runtime.several_devices import check_split, on_devices

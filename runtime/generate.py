@@ -74,38 +74,44 @@ class GenerationResult:
     stats: AcceptanceStats | None = None  # None without MTP
 
 
-StopCheck = Callable[[list[int]], bool]
+StopCheck = Callable[[int, list[int]], bool]  # (request index, its tokens so far) -> stop it now
+TokenSink = Callable[[int, list[int]], None]  # (request index, the tokens it just produced)
 STOP_CHECK_EVERY = 8  # tokens between two calls of a request's stop check
 SYNC_EVERY = 8  # decode steps / MTP rounds the device runs between two looks of the host at their tokens
 
 
 class _Outputs:
-    """The tokens each request has produced, and why it finished (None while it runs)."""
+    """The tokens each request has produced, and why it finished (None while it runs). max_new_tokens: each
+    request's limit; on_tokens hears of every request's new tokens as they are added."""
 
-    def __init__(self, batch: int, max_new_tokens: int, stop_tokens: Iterable[int],
-                 should_stop: StopCheck | None = None) -> None:
-        self.max_new_tokens, self.stop_tokens = max_new_tokens, frozenset(stop_tokens)
+    def __init__(self, max_new_tokens: Sequence[int], stop_tokens: Iterable[int],
+                 should_stop: StopCheck | None = None, on_tokens: TokenSink | None = None) -> None:
+        batch = len(max_new_tokens)
+        self.max_new_tokens, self.stop_tokens = list(max_new_tokens), frozenset(stop_tokens)
         self.tokens: list[list[int]] = [[] for _ in range(batch)]
         self.reasons: list[str | None] = [None] * batch
-        self.should_stop = should_stop
+        self.should_stop, self.on_tokens = should_stop, on_tokens
         self._checked = [0] * batch  # how many tokens each request had at its last stop check
 
     def add(self, new: torch.Tensor, counts: torch.Tensor) -> None:
         """Append the first counts[b] tokens of new[b] ([B, n]) to unfinished request b, up to a stop token
-        or max_new_tokens."""
+        or its max_new_tokens."""
         for b, (row, n) in enumerate(zip(new.tolist(), counts.tolist(), strict=True)):
+            before = len(self.tokens[b])
             for tok in row[:n]:
                 if self.reasons[b] is not None:
                     break
                 self.tokens[b].append(tok)
                 if tok in self.stop_tokens:
                     self.reasons[b] = "stop"
-                elif len(self.tokens[b]) >= self.max_new_tokens:
+                elif len(self.tokens[b]) >= self.max_new_tokens[b]:
                     self.reasons[b] = "length"
+            if self.on_tokens is not None and len(self.tokens[b]) > before:
+                self.on_tokens(b, self.tokens[b][before:])
             if self.should_stop is not None and self.reasons[b] is None \
                     and len(self.tokens[b]) - self._checked[b] >= STOP_CHECK_EVERY:
                 self._checked[b] = len(self.tokens[b])
-                if self.should_stop(self.tokens[b]):
+                if self.should_stop(b, self.tokens[b]):
                     self.reasons[b] = "stop"
 
     def active(self, device: torch.device) -> torch.Tensor:
@@ -117,7 +123,8 @@ class _Outputs:
     def rounds_before_sync(self) -> int:
         """Decode steps / MTP rounds to run before the host looks at their tokens again: SYNC_EVERY, or fewer
         when no running request can take that many more tokens (every round gives each at least one)."""
-        room = max(self.max_new_tokens - len(t) for t, r in zip(self.tokens, self.reasons, strict=True) if r is None)
+        room = max(limit - len(t) for limit, t, r in zip(self.max_new_tokens, self.tokens, self.reasons, strict=True)
+                   if r is None)
         return min(SYNC_EVERY, room)
 
 
@@ -132,7 +139,7 @@ class DeviceProgress:
         self.active = out.active(device)
         self.produced = torch.tensor([len(t) for t in out.tokens], device=device)
         self.stop_tokens = torch.tensor(sorted(out.stop_tokens) or [-1], device=device)
-        # a tensor, so that steps captured once serve calls with any max_new_tokens
+        # a tensor [B], so that steps captured once serve calls with any max_new_tokens
         self.max_new_tokens = torch.tensor(out.max_new_tokens, device=device)
 
     def advance(self, new: torch.Tensor, counts: torch.Tensor) -> None:
@@ -459,22 +466,28 @@ def reusable_steps(model: Qwen35, batch: int, capacity: int, mtp: int, graphs: b
 
 @mirrored
 @torch.no_grad()
-def generate(model: Qwen35, prompts: Sequence[Sequence[int]], max_new_tokens: int, *, mtp: int = 0,
+def generate(model: Qwen35, prompts: Sequence[Sequence[int]], max_new_tokens: int | Sequence[int], *, mtp: int = 0,
              sampling: SamplingParams | None = None, stop_tokens: Iterable[int] = (),
              prefill_chunk: int | None = None, graphs: bool | None = None,
-             should_stop: StopCheck | None = None, invariant: bool | None = None) -> GenerationResult:
-    """Generate up to max_new_tokens for each prompt (token ids; a batch may mix lengths), with MTP
-    speculative decoding of `mtp` drafts per round (0 = plain decoding). Greedy at temperature 0.
-    graphs: capture each decode / verify / draft step as a device graph (default: see use_graphs).
-    should_stop(tokens): called every STOP_CHECK_EVERY new tokens of a request with all it has produced; True
-    ends that request ("stop"), e.g. once its text holds a stop string. The tokens it produced up to then are
-    the same as without the check (requests of a batch do not affect each other).
+             should_stop: StopCheck | None = None, invariant: bool | None = None,
+             on_tokens: TokenSink | None = None) -> GenerationResult:
+    """Generate up to max_new_tokens for each prompt (token ids; a batch may mix lengths; one limit for all, or
+    one per prompt), with MTP speculative decoding of `mtp` drafts per round (0 = plain decoding). Greedy at
+    temperature 0. graphs: capture each decode / verify / draft step as a device graph (default: see use_graphs).
+    should_stop(index, tokens): called every STOP_CHECK_EVERY new tokens of request `index` with all it has
+    produced; True ends that request ("stop"), e.g. once its text holds a stop string. The tokens it produced
+    up to then are the same as without the check (requests of a batch do not affect each other).
+    on_tokens(index, new): the tokens request `index` has just produced, as the host sees them (every few steps),
+    up to its end: a stream's source.
     invariant: batch-invariant decode and verify steps (default: see use_invariance), meant to make greedy MTP
     output greedy output bit for bit."""
     sampling = sampling or SamplingParams()
+    limits = [max_new_tokens] * len(prompts) if isinstance(max_new_tokens, int) else list(max_new_tokens)
     if not 0 <= mtp <= MAX_DRAFTS:
         raise NpuportError(f"--mtp must be between 0 and {MAX_DRAFTS}, got {mtp}")
-    if max_new_tokens < 1:
+    if len(limits) != len(prompts):
+        raise NpuportError(f"{len(limits)} max_new_tokens for {len(prompts)} prompts")
+    if any(n < 1 for n in limits):
         raise NpuportError("max_new_tokens must be at least 1")
     if mtp and model.mtp is None:
         raise NpuportError("this checkpoint has no MTP head (mtp.*); speculative decoding needs one")
@@ -485,20 +498,19 @@ def generate(model: Qwen35, prompts: Sequence[Sequence[int]], max_new_tokens: in
     generator = make_generator(sampling.seed, device)
     # planned for the longest verify step any k could make: a plain and a speculative call take the same paths
     rows = batch * (MAX_DRAFTS + 1) if use_invariance(model, invariant) else None
-    capacity = tokens.shape[1] + max_new_tokens + mtp + 1
+    capacity = tokens.shape[1] + max(limits) + mtp + 1
+    out = _Outputs(limits, stop_tokens, should_stop, on_tokens)
     with reusable_steps(model, batch, capacity, mtp, graphs, rows) as steps, batch_invariant(rows):
-        return _generate(model, steps, tokens, lengths, max_new_tokens, mtp, sampling, generator, stop_tokens,
-                         prefill_chunk, should_stop)
+        return _generate(model, steps, tokens, lengths, out, mtp, sampling, generator, prefill_chunk)
 
 
-def _generate(model: Qwen35, steps: Steps, tokens: torch.Tensor, lengths: torch.Tensor, max_new_tokens: int,
-              mtp: int, sampling: SamplingParams, generator: torch.Generator, stop_tokens: Iterable[int],
-              prefill_chunk: int | None, should_stop: StopCheck | None) -> GenerationResult:
-    """generate's rounds over the states of `steps`: prefill, then decode or MTP rounds until every request ends."""
+def _generate(model: Qwen35, steps: Steps, tokens: torch.Tensor, lengths: torch.Tensor, out: _Outputs, mtp: int,
+              sampling: SamplingParams, generator: torch.Generator, prefill_chunk: int | None) -> GenerationResult:
+    """generate's rounds over the states of `steps`: prefill, then decode or MTP rounds until every request of
+    `out` ends."""
     device, batch = model.device, tokens.shape[0]
     rows = torch.arange(batch, device=device)
     state = steps.state
-    out = _Outputs(batch, max_new_tokens, stop_tokens, should_stop)
 
     hidden = prefill(model, state, tokens, lengths, prefill_chunk)
     next_tok = sample(model.logits(hidden[rows, lengths - 1]), sampling, generator)

@@ -3,10 +3,11 @@ generate and forward_logits call it makes is first sent to the other ranks, whic
 of the model - so the collectives inside the model meet. Only rank 0 reads prompts and data and writes reports.
 
 The calls travel as torch.distributed.broadcast_object_list from rank 0, each with rank 0's dispatch setting
-(runtime/dispatch.py), under which the others make it: every rank sends its tokens in the form the others expect.
-A generate call's stop check (a host function of the decoded text) runs on rank 0 only; each of its answers is
-broadcast, so every rank ends each request at the same step. The driver is the process's (a rank process has one
-role), so calls from any thread of rank 0 are mirrored - a server's request threads too - one call at a time.
+(runtime/dispatch.py), under which the others make it: every rank sends its tokens in the form the others expect. A
+generate call's stop check (a host function of the decoded text) runs on rank 0 only; each of its answers is
+broadcast, so every rank ends each request at the same step. A stream's token sink runs on rank 0 only. The driver
+is the process's (a rank process has one role), so calls from any thread of rank 0 are mirrored - a server's request
+threads too - one call at a time.
 """
 
 from __future__ import annotations
@@ -26,6 +27,7 @@ from npuport.runtime.parallel import Parallel
 _CALLS: dict[str, Callable] = {}  # name -> the undecorated function, for the followers
 _LOAD, _STOP = "load", "stop"
 _STOP_CHECK = "should_stop"
+_RANK_0_ONLY = ("on_tokens",)  # host callbacks that only rank 0 runs (a stream's sink); the others get None
 
 
 class _Driver:
@@ -41,9 +43,9 @@ class _Driver:
     def index(self, model: torch.nn.Module) -> int:
         return next(i for i, m in enumerate(self.models) if m is model)
 
-    def shared_stop_check(self, check: Callable[[list[int]], bool]) -> Callable[[list[int]], bool]:
-        def decide(tokens: list[int]) -> bool:
-            answer = bool(check(tokens))
+    def shared_stop_check(self, check: Callable[[int, list[int]], bool]) -> Callable[[int, list[int]], bool]:
+        def decide(index: int, tokens: list[int]) -> bool:
+            answer = bool(check(index, tokens))
             self.send(answer)
             return answer
         return decide
@@ -111,6 +113,7 @@ def mirrored(fn: Callable) -> Callable:
             if check is not None:
                 kwargs = {**kwargs, _STOP_CHECK: driver.shared_stop_check(check)}
             sent = {**kwargs, _STOP_CHECK: check is not None} if _STOP_CHECK in kwargs else kwargs
+            sent = {name: None if name in _RANK_0_ONLY else value for name, value in sent.items()}
             driver.send((fn.__qualname__, driver.index(model), args, sent, current_dispatch().bf16))
             return fn(model, *args, **kwargs)
     return call
@@ -128,7 +131,7 @@ def follow(load: Callable, parallel: Parallel, device: torch.device) -> None:
             continue
         name, index, args, kwargs, bf16 = message
         if kwargs.get(_STOP_CHECK):
-            kwargs = {**kwargs, _STOP_CHECK: lambda tokens: bool(_receive(parallel))}
+            kwargs = {**kwargs, _STOP_CHECK: lambda index, tokens: bool(_receive(parallel))}
         elif _STOP_CHECK in kwargs:
             kwargs = {**kwargs, _STOP_CHECK: None}
         with dispatch(bf16=bf16):

@@ -98,8 +98,12 @@ def test_the_library_client_reads_the_server(runner):
 @pytest.mark.parametrize(("payload", "status", "message"), [
     ({"model": "other", "prompt": "x"}, 404, "is not served here"),
     ({"prompt": 5}, 400, "'prompt' must be"),
-    ({"prompt": "x", "stream": True}, 400, "'stream'"),
-    ({"prompt": "x", "n": 2}, 400, "'n'"),
+    ({"prompt": "x", "stream": True, "logprobs": 2}, 400, "not streamed"),
+    ({"prompt": "x", "n": 17}, 400, "'n' is 17"),
+    ({"prompt": ["x"] * 10, "n": 16}, 400, "make 160 completions"),
+    ({"prompt": "x", "logprobs": 21}, 400, "'logprobs' is 21"),
+    ({"prompt": [5, 999999]}, 400, "outside the vocabulary"),
+    ({"prompt": [[5, 6], []]}, 400, "'prompt' must be"),
     ({"prompt": "x", "max_tokens": 0}, 400, "max_tokens >= 1"),
     ({"prompt": "x", "stop": [""]}, 400, "'stop'"),
     ({"prompt": ""}, 400, "at least one token"),
@@ -108,7 +112,7 @@ def test_bad_requests_get_an_openai_style_error(runner, payload, status, message
     with running(make_server(runner, "tiny")) as url:
         got, answer = post(url, payload)
         not_json = call(url + "/v1/completions", b"{not json")
-        wrong_path = call(url + "/v1/chat/completions", b"{}")
+        wrong_path = call(url + "/v1/embeddings", b"{}")
     assert got == status and message in answer["error"]["message"]
     assert not_json[0] == 400 and "not JSON" in not_json[1]["error"]["message"]
     assert wrong_path[0] == 404

@@ -164,7 +164,7 @@ def test_an_internal_error_says_internal_error_and_the_details_go_to_the_log(run
     class OutOfMemory(RuntimeCompletions):
         """The loaded model, failing as an allocator does."""
 
-        def complete_ids(self, *args, **kwargs):
+        def run(self, *args, **kwargs):
             raise RuntimeError("CUDA out of memory. Tried to allocate 2.40 GiB (/opt/models/secret/alloc.cpp:77)")
 
     failing = OutOfMemory(runner.model, runner.tokenizer, batch_size=1, context_tokens=runner.context_tokens)
@@ -222,7 +222,8 @@ def test_connections_beyond_the_limit_get_503_at_once_and_no_thread_each(runner)
         deadline = time.monotonic() + 5
         while (served := call(url + "/health")[0]) != 200 and time.monotonic() < deadline:
             time.sleep(0.05)
-    assert threads_while_flooded <= baseline + 1 + 2  # the serving thread and one per allowed connection
+    # the serving thread, the batcher's worker and one per allowed connection
+    assert threads_while_flooded <= baseline + 1 + 1 + 2
     assert status == 503 and refused_in < 2 and headers.get("Retry-After") == "1"
     assert openai_error(raw)["code"] == "server_busy"
     assert served == 200  # the slots come back when the connections close

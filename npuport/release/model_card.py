@@ -11,6 +11,7 @@ from typing import Any
 import yaml
 
 from npuport import __version__
+from npuport.convert.engine_facts import facts_for
 from npuport.convert.qwen35_names import split_param
 from npuport.convert.recipe import W8A8_DYNAMIC
 from npuport.release.results_table import HEADING as RESULTS_HEADING
@@ -194,9 +195,22 @@ def serving_commands(model: str, k: int = NUM_SPECULATIVE_TOKENS) -> dict[str, s
 def _serving(facts: CardFacts) -> list[str]:
     lines = ["## Serving", "",
              f"With MTP speculative decoding ({NUM_SPECULATIVE_TOKENS} draft tokens); add the engine's parallelism "
-             "flags (e.g. `--tensor-parallel-size`, `--tp-size`) for the number of NPUs.", ""]
+             "flags (e.g. `--tensor-parallel-size`, `--tp-size`) for the number of NPUs. The MTP head is BF16 in "
+             "this release: vllm-ascend reads that from `quant_model_description.json`, sglang needs "
+             "`--speculative-draft-model-quantization unquant`.", ""]
+    labels = {name: label for name, label in facts.description.items() if isinstance(label, str)}
+    known = facts_for(labels)
     for engine, command in serving_commands(f"./{facts.release_name}").items():
         lines += [f"{engine}:", "", "```bash", command, "```", ""]
+        mine = [f for f in known if f.engine == engine]
+        loads = [f for f in mine if f.kind == "loads"]
+        lines.append("Versions known to load an artifact like this one: " + (
+            "; ".join(f"{f.versions}: {markdown_text(f.effect)} ({f.source})" for f in loads)
+            if loads else "none recorded in npuport's table of engine facts."))
+        problems = [f"- **Known problem** ({markdown_text(f.versions)}" + (f", with `{f.trigger}`" if f.trigger else "")
+                    + f"): {markdown_text(f.effect)}. Workaround: {markdown_text(f.workaround)}. Source: {f.source}"
+                    + ("" if f.checked else " (not re-checked)") for f in mine if f.kind == "breaks"]
+        lines += [""] + (problems + [""] if problems else [])
     return lines
 
 

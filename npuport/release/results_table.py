@@ -6,7 +6,7 @@ from __future__ import annotations
 from dataclasses import dataclass, replace
 from typing import Any
 
-from npuport.runtime.validation.report import _THROUGHPUT_COLUMNS
+from npuport.runtime.validation.report import _THROUGHPUT_COLUMNS, FULL_KL
 
 HEADING = "## Measured results"
 MISSING = "–"
@@ -73,7 +73,9 @@ def _fidelity_rows(fidelity: dict[str, Any], reference: str) -> list[ResultRow]:
     protocol = f"vs {reference}" + (f", {fidelity['num_prompts']} prompts" if fidelity.get("num_prompts") else "")
     rows = [ResultRow("greedy token agreement %", protocol, None, fidelity["greedy_token_agreement"] * 100),
             ResultRow("top-1 agreement of next-token logits %", protocol, None, fidelity["top1_agreement"] * 100),
-            ResultRow("mean KL divergence", protocol, None, fidelity["mean_kl"], fmt=".4g")]
+            ResultRow("mean KL divergence" + ("" if fidelity.get("kl_method", FULL_KL) == FULL_KL
+                                              else f" ({fidelity['kl_method']})"),
+                      protocol, None, fidelity["mean_kl"], fmt=".4g")]
     if fidelity.get("layer_cosine"):
         rows.append(ResultRow("lowest per-layer output cosine", protocol, None, min(fidelity["layer_cosine"]),
                               fmt=".5f"))

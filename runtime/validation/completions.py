@@ -1,8 +1,10 @@
 """Text completions on the built-in runtime as an OpenAI-compatible server returns them: prompts through the
-model folder's tokenizer, batched generation, and the decoded text cut at the first stop string."""
+model folder's tokenizer, batched generation (each request with its own limit and stop strings), the decoded text
+cut at the first stop string, and the log-probabilities of prompt and completion tokens."""
 
 from __future__ import annotations
 
+import threading
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
@@ -12,13 +14,14 @@ import torch
 
 from npuport.errors import NpuportError
 from npuport.jsonfile import read_json_object
-from npuport.runtime.generate import AcceptanceStats, generate, use_invariance
+from npuport.runtime.generate import AcceptanceStats, TokenSink, generate, use_invariance
 from npuport.runtime.loader import load_model
 from npuport.runtime.model import Qwen35
 from npuport.runtime.sampling import SamplingParams
 from npuport.runtime.textgen import DTYPES, load_tokenizer, stop_token_ids
 from npuport.runtime.validation.endpoint import EndpointBatch, EndpointCompletion
 from npuport.runtime.validation.gsm8k import cut_at_stop
+from npuport.runtime.validation.logprobs import PositionLogprobs, sequence_logprobs
 
 Decode = Callable[[Sequence[int]], str]
 
@@ -68,6 +71,24 @@ def merge_acceptance(parts: Sequence[AcceptanceStats]) -> AcceptanceStats | None
 
 
 @dataclass(frozen=True)
+class TextRequest:
+    """One row of a generation: its prompt's token ids, the most tokens it may make, its stop strings."""
+
+    prompt_ids: list[int]
+    max_tokens: int
+    stop: tuple[str, ...] = ()
+
+
+@dataclass(frozen=True)
+class TextResult:
+    """One row's answer (text cut at its first stop string, the tokens that text took, why it ended) and every
+    token it generated (a few more than the text took where a stop string ended it)."""
+
+    completion: EndpointCompletion
+    token_ids: list[int]
+
+
+@dataclass(frozen=True)
 class RuntimeBatch(EndpointBatch):
     """What EndpointBatch holds, plus what only the runtime knows: each prompt's token ids, every generated
     token (before stop strings cut the text) and the MTP acceptance statistics (None without MTP)."""
@@ -95,6 +116,8 @@ class RuntimeCompletions:
         self.mtp = mtp
         self.context_tokens = context_tokens
         self.invariant = use_invariance(model, invariant)  # resolved once: every rank of a split model is told
+        # transformers' tokenizers are not safe to call from several threads at once (a server's request threads)
+        self._tokenizer_lock = threading.Lock()
 
     @classmethod
     def load(cls, path: Path | str, *, device: torch.device | str | None = None, dtype: str = "bfloat16",
@@ -111,12 +134,45 @@ class RuntimeCompletions:
         return cls(model, tokenizer, stop_token_ids(path), batch_size=batch_size, mtp=mtp,
                    context_tokens=context_tokens_of(path), invariant=invariant)
 
+    @property
+    def vocab_size(self) -> int:
+        return self.model.config.vocab_size
+
     def encode(self, prompt: str) -> list[int]:
-        return list(self.tokenizer.encode(prompt))
+        with self._tokenizer_lock:
+            return list(self.tokenizer.encode(prompt))
 
     def decode(self, tokens: Sequence[int]) -> str:
         """Text of generated tokens, special tokens (EOS) left out, as the servers answer by default."""
-        return self.tokenizer.decode(list(tokens), skip_special_tokens=True)
+        with self._tokenizer_lock:
+            return self.tokenizer.decode(list(tokens), skip_special_tokens=True)
+
+    def token_text(self, token: int) -> str:
+        """One token's own text, special tokens included: how a server names a token in its log-probabilities."""
+        with self._tokenizer_lock:
+            return self.tokenizer.decode([token])
+
+    def logprobs(self, sequence: Sequence[int], top_k: int, start: int = 1) -> list[PositionLogprobs]:
+        """Log-probabilities of positions start.. of `sequence` and their top_k, in one forward pass."""
+        return sequence_logprobs(self.model, sequence, top_k, start)
+
+    def run(self, requests: Sequence[TextRequest], sampling: SamplingParams | None = None,
+            on_tokens: TokenSink | None = None, cancelled: Callable[[int], bool] | None = None
+            ) -> tuple[list[TextResult], AcceptanceStats | None]:
+        """Every request as one generate call, each with its own max_tokens and stop strings (checked every few
+        tokens, as generate's should_stop is). on_tokens(row, new tokens) hears of tokens as they come;
+        cancelled(row) True ends that row at its next check (a client that went away)."""
+        def should_stop(row: int, tokens: list[int]) -> bool:
+            stop = requests[row].stop
+            return bool(cancelled is not None and cancelled(row)) or (bool(stop) and _holds_stop(self.decode(tokens),
+                                                                                                 stop))
+
+        checks = any(r.stop for r in requests) or cancelled is not None
+        result = generate(self.model, [r.prompt_ids for r in requests], [r.max_tokens for r in requests],
+                          mtp=self.mtp, sampling=sampling, stop_tokens=self.stop_tokens, invariant=self.invariant,
+                          should_stop=should_stop if checks else None, on_tokens=on_tokens)
+        return ([TextResult(finish_completion(t, self.decode, r.stop, self.stop_tokens), t)
+                 for r, t in zip(requests, result.tokens, strict=True)], result.stats)
 
     def complete(self, prompts: Sequence[str], *, max_tokens: int, stop: Sequence[str] = (),
                  sampling: SamplingParams | None = None,
@@ -131,18 +187,17 @@ class RuntimeCompletions:
                      progress: Callable[[int], None] | None = None) -> RuntimeBatch:
         """`complete` for prompts already tokenized (e.g. by a server that checks their length first)."""
         prompt_ids = [list(ids) for ids in prompt_ids]
-        tokens: list[list[int]] = []
+        results: list[TextResult] = []
         stats: list[AcceptanceStats] = []
         start = time.perf_counter()
         for first in range(0, len(prompt_ids), self.batch_size):
-            result = generate(self.model, prompt_ids[first:first + self.batch_size], max_tokens, mtp=self.mtp,
-                              sampling=sampling, stop_tokens=self.stop_tokens, invariant=self.invariant,
-                              should_stop=(lambda toks: _holds_stop(self.decode(toks), stop)) if stop else None)
-            tokens += result.tokens
-            if result.stats is not None:
-                stats.append(result.stats)
+            rows = [TextRequest(ids, max_tokens, tuple(stop)) for ids in prompt_ids[first:first + self.batch_size]]
+            done, acceptance = self.run(rows, sampling)
+            results += done
+            if acceptance is not None:
+                stats.append(acceptance)
             if progress is not None:
-                progress(len(tokens))
-        completions = [finish_completion(t, self.decode, stop, self.stop_tokens) for t in tokens]
+                progress(len(results))
         latency = time.perf_counter() - start
-        return RuntimeBatch(completions, latency, prompt_ids, tokens, merge_acceptance(stats))
+        return RuntimeBatch([r.completion for r in results], latency, prompt_ids, [r.token_ids for r in results],
+                            merge_acceptance(stats))

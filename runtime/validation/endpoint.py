@@ -38,6 +38,23 @@ def completions_url(base_url: str) -> str:
     return url + "/v1/completions"
 
 
+def served_models(base_url: str, timeout_s: float = 30.0, api_key: str | None = None) -> list[str]:
+    """The model names a server lists at `/v1/models` (the OpenAI API's `data[].id`). EndpointError naming the URL
+    if it cannot say."""
+    url = completions_url(base_url).removesuffix("/completions") + "/models"
+    headers = {"Accept": "application/json"} | ({"Authorization": f"Bearer {api_key}"} if api_key else {})
+    try:
+        with urllib.request.urlopen(urllib.request.Request(url, headers=headers), timeout=timeout_s) as response:
+            data = json.loads(response.read())
+        return [m["id"] for m in data["data"] if isinstance(m, dict) and isinstance(m.get("id"), str)]
+    except urllib.error.HTTPError as e:
+        raise EndpointError(f"{url}: answered HTTP {e.code}") from None
+    except (urllib.error.URLError, OSError, http.client.HTTPException) as e:
+        raise EndpointError(f"{url}: unreachable ({getattr(e, 'reason', e)})") from None
+    except (ValueError, KeyError, TypeError):
+        raise EndpointError(f"{url}: answered no model list") from None
+
+
 @dataclass(frozen=True)
 class EndpointCompletion:
     """One prompt's answer: the text and `usage.completion_tokens` (None when the server did not say).
@@ -358,8 +375,16 @@ class CompletionsEndpoint:
         return answer
 
     def _complete(self, prompt: str, max_tokens: int, stop: Sequence[str], run: _Run | None) -> EndpointCompletion:
-        payload = json.dumps({"model": self.model, "prompt": prompt, "max_tokens": max_tokens,
-                              "temperature": 0, "stop": list(stop)}).encode("utf-8")
+        return self._parse(self._request({"prompt": prompt, "max_tokens": max_tokens, "temperature": 0,
+                                          "stop": list(stop)}, run))
+
+    def request(self, fields: dict) -> dict:
+        """One completions request of `fields` (the model's name added), with the retries described on the
+        class; its answer as JSON, checked to hold `choices`. QuestionFailed if it fails."""
+        return self._choices(self._request(fields, None))
+
+    def _request(self, fields: dict, run: _Run | None) -> bytes:
+        payload = json.dumps({"model": self.model, **fields}).encode("utf-8")
         attempts = self.retries + 1
         failure = _Transient("not tried")
         for attempt in range(attempts):
@@ -371,11 +396,9 @@ class CompletionsEndpoint:
                 elif run.stopped.wait(wait):
                     raise _Cancelled
             try:
-                body = self._exchange(payload, run)
+                return self._exchange(payload, run)
             except _Transient as e:
                 failure = e
-                continue
-            return self._parse(body)
         raise QuestionFailed(self.url, f"gave up after {attempts} attempt(s), the last: {failure}",
                              unreachable=failure.unreachable)
 
@@ -428,14 +451,20 @@ class CompletionsEndpoint:
         except (http.client.HTTPException, OSError) as e:  # reset, refused mid-way, bad status line
             raise _Transient(f"connection failed ({type(e).__name__}: {e})") from e
 
-    def _parse(self, body: bytes) -> EndpointCompletion:
+    def _choices(self, body: bytes) -> dict:
+        """The answer's JSON, which must hold a non-empty `choices` list of objects."""
         try:
             data = json.loads(body)
         except (json.JSONDecodeError, UnicodeDecodeError) as e:
             raise QuestionFailed(self.url, f"answered malformed JSON: {_snippet(body)}") from e
         choices = data.get("choices") if isinstance(data, dict) else None
-        if not isinstance(choices, list) or not choices or not isinstance(choices[0], dict):
+        if not isinstance(choices, list) or not choices or not all(isinstance(c, dict) for c in choices):
             raise QuestionFailed(self.url, f"answered without choices: {_snippet(body)}")
+        return data
+
+    def _parse(self, body: bytes) -> EndpointCompletion:
+        data = self._choices(body)
+        choices = data["choices"]
         text = choices[0].get("text")
         if not isinstance(text, str):
             raise QuestionFailed(self.url, f"answered a choice without text: {_snippet(body)}")

@@ -1,18 +1,21 @@
 """How closely a candidate model (the W8A8 artifact) follows its reference (the BF16 source) on the same token
-sequences: greedy token agreement, next-token top-1 agreement, mean KL divergence, per-layer cosine."""
+sequences: greedy token agreement, next-token top-1 agreement, mean KL divergence, per-layer cosine - and the
+top-k KL estimates an endpoint's log-probabilities would give on the same positions, to state their bias."""
 
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
 from npuport.runtime.generate import forward_logits
 from npuport.runtime.model import Qwen35
+from npuport.runtime.validation.logprobs import topk_kl_from_logits
 from npuport.runtime.validation.report import Fidelity
 
 KL_CHUNK = 256  # positions whose float32 log-probabilities are held at once (x 2 models x vocabulary)
+ESTIMATE_KS = (5, 20)  # the top-k an endpoint gives: the OpenAI API's most for completions, vLLM's default most
 
 
 def greedy_token_agreement(candidate: Sequence[Sequence[int]], reference: Sequence[Sequence[int]]) -> float:
@@ -43,6 +46,7 @@ class _Totals:
     top1_same: int = 0
     kl: float = 0.0
     cosine: list[float] | None = None
+    topk_kl: dict[int, float] = field(default_factory=lambda: dict.fromkeys(ESTIMATE_KS, 0.0))
 
     def add(self, cand_logits: torch.Tensor, ref_logits: torch.Tensor, cand_hidden: Sequence[torch.Tensor],
             ref_hidden: Sequence[torch.Tensor]) -> None:
@@ -51,6 +55,8 @@ class _Totals:
         self.top1_same += int((cand_logits.argmax(-1) == ref_logits.argmax(-1)).sum())
         for s in range(0, cand_logits.shape[0], KL_CHUNK):
             self.kl += float(kl_divergence(ref_logits[s:s + KL_CHUNK], cand_logits[s:s + KL_CHUNK]).sum())
+        for k in ESTIMATE_KS:
+            self.topk_kl[k] += sum(topk_kl_from_logits(ref_logits, cand_logits, k))
         sums = [float(torch.cosine_similarity(c.float(), r.float(), dim=-1).sum())
                 for c, r in zip(cand_hidden, ref_hidden, strict=True)]
         self.cosine = sums if self.cosine is None else [a + b for a, b in zip(self.cosine, sums, strict=True)]
@@ -66,7 +72,8 @@ def measure_fidelity(candidate: Qwen35, reference: Qwen35, prompts: Sequence[Seq
     - teacher-forced on prompt + the reference's continuation, fed to both models one sequence at a time,
       at every position: top-1 agreement (same argmax of the next-token logits), mean KL(reference ||
       candidate) in nats, and per decoder layer the mean cosine similarity of the two models' outputs (the
-      last layer's after the final norm, as transformers' output_hidden_states gives it)."""
+      last layer's after the final norm, as transformers' output_hidden_states gives it);
+    - at the same positions, the top-k KL estimate (logprobs.topk_kl_estimate) for each k of ESTIMATE_KS."""
     if not len(prompts) == len(candidate_tokens) == len(reference_tokens):
         raise ValueError("one prompt, one candidate and one reference generation per request")
     totals = _Totals()
@@ -83,4 +90,5 @@ def measure_fidelity(candidate: Qwen35, reference: Qwen35, prompts: Sequence[Seq
         layer_cosine=[c / totals.positions for c in totals.cosine or []],
         num_prompts=len(prompts),
         num_tokens=totals.positions,
+        topk_kl_estimates={k: v / totals.positions for k, v in totals.topk_kl.items()},
     )

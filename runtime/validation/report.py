@@ -53,9 +53,20 @@ class AccuracyRow:
         return cls(candidate, reference, comparison)
 
 
+FULL_KL = "full vocabulary"  # Fidelity.kl_method of the built-in runtime's fidelity
+
+
+def topk_kl_method(k: int) -> str:
+    """Fidelity.kl_method of an estimate from endpoints' top-k log-probabilities."""
+    return f"top-{k} estimate from endpoint log-probabilities"
+
+
 @dataclass
 class Fidelity:
-    """Agreement with the BF16 source on the same prompts."""
+    """Agreement with the BF16 source on the same prompts. `kl_method` says what mean_kl is: the full-vocabulary
+    KL (both models in the built-in runtime) or the top-k estimate from endpoints' log-probabilities
+    (logprobs.topk_kl_estimate); `topk_kl_estimates`: k -> that estimate on the same positions, where the full
+    KL is known too (the estimate's bias, measured)."""
 
     greedy_token_agreement: float
     top1_agreement: float
@@ -63,6 +74,8 @@ class Fidelity:
     layer_cosine: list[float] = field(default_factory=list)  # per decoder layer, in order
     num_prompts: int | None = None
     num_tokens: int | None = None
+    kl_method: str = FULL_KL
+    topk_kl_estimates: dict[int, float] = field(default_factory=dict)
 
 
 @dataclass
@@ -294,7 +307,10 @@ def _comparison_section(report: ValidationReport) -> list[str]:
 def _fidelity_section(report: ValidationReport, fidelity: Fidelity) -> list[str]:
     rows = [["greedy token agreement", f"{fidelity.greedy_token_agreement * 100:.2f} %"],
             ["top-1 agreement of next-token logits", f"{fidelity.top1_agreement * 100:.2f} %"],
-            ["mean KL divergence", f"{fidelity.mean_kl:.4g}"]]
+            ["mean KL divergence" + ("" if fidelity.kl_method == FULL_KL else f" ({fidelity.kl_method})"),
+             f"{fidelity.mean_kl:.4g}"]]
+    rows += [[f"top-{k} KL estimate, as from an endpoint (its bias: against the row above)", f"{value:.4g}"]
+             for k, value in sorted(fidelity.topk_kl_estimates.items())]
     if fidelity.layer_cosine:
         worst = min(range(len(fidelity.layer_cosine)), key=fidelity.layer_cosine.__getitem__)
         mean = sum(fidelity.layer_cosine) / len(fidelity.layer_cosine)

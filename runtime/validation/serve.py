@@ -1,12 +1,20 @@
-"""`npuport serve`: an OpenAI-compatible completions endpoint on the built-in runtime (`POST /v1/completions`,
-`GET /v1/models`, `GET /health`), on the standard library's threaded HTTP server with one lock around the model,
-so requests run one at a time (a request's list of prompts runs in batches).
+"""`npuport serve`: an OpenAI-compatible server on the built-in runtime - `POST /v1/completions` and
+`/v1/chat/completions` (log-probabilities, echo, n, streaming as server-sent events), `GET /v1/models`, `GET
+/health` - whose requests in flight are batched together (batching.py: one worker owns the model; a request that
+arrives while a batch runs joins the next one).
+
+The HTTP layer is the standard library's threaded server, not the FastAPI / uvicorn stack of the engines' own
+servers: it does the job as well here - a thread per connection, each waiting on the batcher, and a stream is a
+`text/event-stream` response written as the tokens come and closed at its end - and the limits below are written
+against it and tested, while the engines' stack would add three dependencies to every install for no feature the
+API needs.
 
 A client cannot make the server hold more than it allows: every request field that sizes work is checked before
 anything is allocated (`max_tokens` against `--max-tokens-limit` and the model's context, the prompt against the
-context, the body size), a request must arrive whole within `--request-timeout`, at most `--max-connections`
-connections are served at once (the next ones get 503 at once), and with `--api-key` every /v1 request needs
-`Authorization: Bearer <key>`. Every error is answered in the OpenAI shape without the server's internals."""
+context, `n`, the number of prompts, top log-probabilities, the body size), a request must arrive whole within
+`--request-timeout`, at most `--max-connections` connections are served at once (the next ones get 503 at once),
+and with `--api-key` every /v1 request needs `Authorization: Bearer <key>`. Every error is answered in the OpenAI
+shape without the server's internals."""
 
 from __future__ import annotations
 
@@ -14,13 +22,11 @@ import hmac
 import io
 import ipaddress
 import json
-import math
 import socket
 import sys
 import threading
 import time
 import traceback
-import uuid
 from collections.abc import Callable
 from dataclasses import dataclass
 from http import HTTPStatus
@@ -29,20 +35,23 @@ from pathlib import Path
 from typing import Any
 
 from npuport.errors import NpuportError
-from npuport.runtime.sampling import SamplingParams
 from npuport.runtime.validation.completions import RuntimeCompletions
+from npuport.runtime.validation.openai_api import (
+    RequestError,
+    error_body,
+    models_object,
+    parse_chat_request,
+    parse_completion_request,
+    shown,
+    sse,
+)
+from npuport.runtime.validation.service import OpenAIService
 
 DEFAULT_HOST = "127.0.0.1"
-DEFAULT_MAX_TOKENS = 16  # the OpenAI API's default for /v1/completions
-DEFAULT_TEMPERATURE = 1.0  # likewise; clients that want greedy send temperature 0
 API_KEY_ENV = "NPUPORT_API_KEY"  # npuport/cli.py names it too: the command line starts without torch
 MAX_BODY_BYTES = 16 * 1024 * 1024
-MAX_PROMPTS = 128  # prompts in one request's list: each costs a tokenization and a slot in a batch
-MAX_STOP_STRINGS = 16  # each is searched for in the text every few tokens
-SEED_RANGE = (-(1 << 63), (1 << 64) - 1)  # what torch.Generator.manual_seed takes
 BODY_CHUNK_BYTES = 64 * 1024
 LISTEN_BACKLOG = 128  # connections the kernel holds until accepted (each then gets a thread or a 503 at once)
-SHOWN_CHARS = 100  # of a client's own text (a path, a model name) quoted back in an error
 
 Log = Callable[[str], None]
 
@@ -69,112 +78,6 @@ class ServeLimits:
             raise NpuportError(f"serve limits must be positive, got {self}")
 
 
-class RequestError(Exception):
-    """A request the server refuses: the HTTP status, the message it answers, the request field at fault
-    (OpenAI's `param`) and a machine-readable `code`."""
-
-    def __init__(self, status: HTTPStatus, message: str, param: str | None = None, code: str | None = None) -> None:
-        super().__init__(message)
-        self.status = status
-        self.param = param
-        self.code = code
-
-
-def error_body(status: HTTPStatus, message: str, param: str | None = None, code: str | None = None) -> dict:
-    """The OpenAI API's error object: `{"error": {"message", "type", "param", "code"}}`."""
-    kind = "invalid_request_error" if status < 500 else "server_error"
-    return {"error": {"message": message, "type": kind, "param": param, "code": code}}
-
-
-def _shown(text: str) -> str:
-    """A client's own text, cut short, for quoting back in an error."""
-    return text if len(text) <= SHOWN_CHARS else text[:SHOWN_CHARS] + "..."
-
-
-@dataclass(frozen=True)
-class CompletionRequest:
-    prompts: list[str]
-    max_tokens: int
-    stop: list[str]
-    sampling: SamplingParams
-
-
-def _field(body: dict[str, Any], name: str, kinds: tuple[type, ...], default: Any) -> Any:
-    value = body.get(name, default)
-    if value is None:
-        return default
-    if not isinstance(value, kinds) or (isinstance(value, bool) and bool not in kinds):
-        raise RequestError(HTTPStatus.BAD_REQUEST, f"'{name}' must be {' or '.join(k.__name__ for k in kinds)}",
-                           name, "invalid_type")
-    if isinstance(value, float) and not math.isfinite(value):
-        raise RequestError(HTTPStatus.BAD_REQUEST, f"'{name}' must be a finite number", name, "invalid_value")
-    return value
-
-
-def _refuse(name: str, message: str) -> RequestError:
-    return RequestError(HTTPStatus.BAD_REQUEST, message, name, "invalid_value")
-
-
-def parse_request(body: Any, served_model: str, max_tokens_limit: int = ServeLimits.max_tokens) -> CompletionRequest:
-    """Read a /v1/completions body: `prompt` (a string or a list of at most MAX_PROMPTS strings), `max_tokens`
-    (1 to `max_tokens_limit`), `temperature`, `top_p`, `seed`, `stop` (a string or a list of at most
-    MAX_STOP_STRINGS), `model` (absent or the served name); `n` must be 1 and `stream`, `echo` and `logprobs` must
-    be off. Other fields are ignored, as the engines ignore unknown ones. The model's context is checked later,
-    once the prompts are tokenized (`check_context`)."""
-    if not isinstance(body, dict):
-        raise RequestError(HTTPStatus.BAD_REQUEST, "the body must be a JSON object")
-    model = body.get("model")
-    if model is not None and model != served_model:
-        raise RequestError(HTTPStatus.NOT_FOUND, f"model {_shown(str(model))!r} is not served here; this server "
-                                                 f"serves {served_model!r}", "model", "model_not_found")
-    prompt = body.get("prompt")
-    prompts = [prompt] if isinstance(prompt, str) else prompt
-    if not isinstance(prompts, list) or not prompts or not all(isinstance(p, str) for p in prompts):
-        raise _refuse("prompt", "'prompt' must be a string or a non-empty list of strings")
-    if len(prompts) > MAX_PROMPTS:
-        raise _refuse("prompt", f"'prompt' lists {len(prompts)} prompts; this server takes at most {MAX_PROMPTS} "
-                                "per request")
-    stop = _field(body, "stop", (str, list), [])
-    stop = [stop] if isinstance(stop, str) else stop
-    if not all(isinstance(s, str) and s for s in stop) or len(stop) > MAX_STOP_STRINGS:
-        raise _refuse("stop", f"'stop' must be a string or a list of at most {MAX_STOP_STRINGS} non-empty strings")
-    for name, off in (("n", 1), ("stream", False), ("echo", False), ("logprobs", None)):
-        if body.get(name) not in (None, off):
-            raise _refuse(name, f"'{name}' other than {json.dumps(off)} is not supported")
-    max_tokens = _field(body, "max_tokens", (int,), DEFAULT_MAX_TOKENS)
-    if max_tokens < 1:
-        raise _refuse("max_tokens", f"'max_tokens' is {max_tokens}; need max_tokens >= 1")
-    if max_tokens > max_tokens_limit:
-        raise _refuse("max_tokens", f"'max_tokens' is {max_tokens}, more than this server's limit of "
-                                    f"{max_tokens_limit} (npuport serve --max-tokens-limit)")
-    temperature = float(_field(body, "temperature", (int, float), DEFAULT_TEMPERATURE))
-    if temperature < 0:
-        raise _refuse("temperature", "'temperature' must be >= 0")
-    top_p = float(_field(body, "top_p", (int, float), 1.0))
-    if not 0 < top_p <= 1:
-        raise _refuse("top_p", "'top_p' must be in (0, 1]")
-    seed = _field(body, "seed", (int,), None)
-    if seed is not None and not SEED_RANGE[0] <= seed <= SEED_RANGE[1]:
-        raise _refuse("seed", "'seed' must be a 64-bit integer")
-    return CompletionRequest(prompts, max_tokens, list(stop), SamplingParams(temperature, top_p, seed))
-
-
-def check_context(prompt_ids: list[list[int]], max_tokens: int, context_tokens: int) -> None:
-    """Refuse a request whose prompt and `max_tokens` do not fit the model's context (`max_position_embeddings`
-    tokens): the runtime sizes its caches by prompt + max_tokens, so this bounds the memory a request takes."""
-    for i, ids in enumerate(prompt_ids):
-        if not ids:
-            raise _refuse("prompt", f"prompt {i} has no tokens; a prompt needs at least one token")
-        room = context_tokens - len(ids)
-        if room < 1:
-            raise RequestError(HTTPStatus.BAD_REQUEST, f"prompt {i} has {len(ids)} tokens; the model's context is "
-                               f"{context_tokens} tokens", "prompt", "context_length_exceeded")
-        if max_tokens > room:
-            raise RequestError(HTTPStatus.BAD_REQUEST, f"'max_tokens' is {max_tokens}, but the model's context of "
-                               f"{context_tokens} tokens leaves {room} after the {len(ids)} tokens of prompt {i}",
-                               "max_tokens", "context_length_exceeded")
-
-
 def exposure_warning(address: str, key_required: bool) -> str | None:
     """The warning to print when the server listens on `address` (as bound) beyond this machine's loopback;
     None on loopback. `key_required`: whether requests need an API key."""
@@ -191,18 +94,15 @@ def exposure_warning(address: str, key_required: bool) -> str | None:
 
 
 class CompletionsServer(ThreadingHTTPServer):
-    """The HTTP server: `runner` completes prompts, under `lock`; `served_model` is the name clients use.
-    At most `limits.max_connections` connections get a thread; `log` gets a line per request, `report` the
-    details of internal errors (which clients only see as "internal error")."""
+    """The HTTP server: `runner`'s model behind an OpenAIService (batches of at most runner.batch_size rows);
+    `served_model` is the name clients use. At most `limits.max_connections` connections get a thread; `log` gets
+    a line per request, `report` the details of internal errors (which clients only see as "internal error")."""
 
     daemon_threads = True
 
     def __init__(self, address: tuple[str, int], runner: RuntimeCompletions, served_model: str, *,
                  limits: ServeLimits = ServeLimits(), api_key: str | None = None, log: Log | None = None,
                  report: Log = print_to_stderr) -> None:
-        if runner.context_tokens is None:
-            raise NpuportError("the model's config.json states no max_position_embeddings; serve needs the "
-                               "model's context to bound what a request may ask for")
         if api_key is not None and not api_key.strip():
             raise NpuportError("the API key is empty; give a key or none")
         self.request_queue_size = LISTEN_BACKLOG  # read by server_activate
@@ -210,14 +110,21 @@ class CompletionsServer(ThreadingHTTPServer):
             super().__init__(address, _Handler)
         except OSError as e:
             raise NpuportError(f"cannot listen on {address[0]}:{address[1]}: {e.strerror or e}") from None
-        self.runner = runner
+        try:
+            self.service = OpenAIService(runner, served_model, runner.batch_size)
+        except BaseException:
+            super().server_close()
+            raise
         self.served_model = served_model
         self.limits = limits
         self.api_key = api_key
         self.log = log
         self.report = report
-        self.lock = threading.Lock()
         self._slots = threading.BoundedSemaphore(limits.max_connections)
+
+    def server_close(self) -> None:
+        super().server_close()
+        self.service.close()
 
     @property
     def url(self) -> str:
@@ -262,31 +169,11 @@ class CompletionsServer(ThreadingHTTPServer):
         error = sys.exc_info()[1]
         self.report(f"{client_address[0]}: connection dropped ({type(error).__name__}: {error})")
 
-    def complete(self, request: CompletionRequest) -> dict[str, Any]:
-        """The OpenAI `text_completion` object for one request; the prompts are tokenized and checked against
-        the model's context before the model is touched (under the lock as well: transformers' tokenizers are
-        not safe to call from several threads at once)."""
-        with self.lock:
-            prompt_ids = [self.runner.encode(p) for p in request.prompts]
-            check_context(prompt_ids, request.max_tokens, self.runner.context_tokens)
-            batch = self.runner.complete_ids(prompt_ids, max_tokens=request.max_tokens, stop=request.stop,
-                                             sampling=request.sampling)
-        prompt_tokens = sum(map(len, batch.prompt_ids))
-        completion_tokens = sum(c.completion_tokens or 0 for c in batch.completions)
-        return {
-            "id": f"cmpl-{uuid.uuid4().hex}",
-            "object": "text_completion",
-            "created": int(time.time()),
-            "model": self.served_model,
-            "choices": [{"index": i, "text": c.text, "logprobs": None, "finish_reason": c.finish_reason}
-                        for i, c in enumerate(batch.completions)],
-            "usage": {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
-                      "total_tokens": prompt_tokens + completion_tokens},
-        }
-
-    def models(self) -> dict[str, Any]:
-        return {"object": "list", "data": [{"id": self.served_model, "object": "model", "created": 0,
-                                            "owned_by": "npuport"}]}
+    def internal_error(self, where: str, error: BaseException) -> None:
+        """Report a failure of the server's own (the details stay in the operator's log)."""
+        frame = traceback.extract_tb(error.__traceback__)[-1] if error.__traceback__ else None
+        at = f" (at {Path(frame.filename).name}:{frame.lineno})" if frame is not None else ""
+        self.report(f"{where}: internal error: {type(error).__name__}: {error}{at}")
 
 
 class _ReadBeforeDeadline(io.RawIOBase):
@@ -327,23 +214,55 @@ class _Handler(BaseHTTPRequestHandler):
     def do_POST(self) -> None:  # noqa: N802 - http.server's name
         self._respond(self._post)
 
-    def _get(self, path: str) -> dict[str, Any]:
+    def _get(self, path: str) -> dict[str, Any] | None:
         if path == "/health":
             return {"status": "ok"}
         self._check_api_key()
         if path == "/v1/models":
-            return self.server.models()
-        raise RequestError(HTTPStatus.NOT_FOUND, f"no such path {_shown(self.path)!r}", None, "not_found")
+            return models_object(self.server.served_model)
+        raise RequestError(HTTPStatus.NOT_FOUND, f"no such path {shown(self.path)!r}", None, "not_found")
 
-    def _post(self, path: str) -> dict[str, Any]:
+    def _post(self, path: str) -> dict[str, Any] | None:
+        """The answer object, or None once a stream has been written."""
         self._check_api_key()
-        if path != "/v1/completions":
-            raise RequestError(HTTPStatus.NOT_FOUND, f"no such path {_shown(self.path)!r}; POST /v1/completions",
-                               None, "not_found")
-        request = parse_request(self._body(), self.server.served_model, self.server.limits.max_tokens)
-        return self.server.complete(request)
+        service, limit = self.server.service, self.server.limits.max_tokens
+        if path == "/v1/completions":
+            prepared = service.prepare_completion(parse_completion_request(self._body(), service.served_model,
+                                                                           limit))
+        elif path == "/v1/chat/completions":
+            prepared = service.prepare_chat(parse_chat_request(self._body(), service.served_model, limit))
+        else:
+            raise RequestError(HTTPStatus.NOT_FOUND, f"no such path {shown(self.path)!r}; POST /v1/completions or "
+                                                     "/v1/chat/completions", None, "not_found")
+        if not prepared.generation.stream:
+            return service.answer(prepared)
+        self._stream(lambda write: service.stream(prepared, write))
+        return None
 
-    def _respond(self, route: Callable[[str], dict[str, Any]]) -> None:
+    def _stream(self, produce: Callable[[Callable[[bytes], None]], None]) -> None:
+        """A `text/event-stream` answer, written by produce(write) as it goes; the connection closes at its end.
+        A failure of the model after the stream began ends it with an error event."""
+        self.close_connection = True
+        self.connection.settimeout(self.timeout)  # each write may wait this long for the client to read
+        self.send_response(HTTPStatus.OK)
+        self.send_header("Content-Type", "text/event-stream")
+        self.send_header("Cache-Control", "no-cache")
+        self.end_headers()
+
+        def write(data: bytes) -> None:
+            self.wfile.write(data)
+            self.wfile.flush()
+
+        try:
+            produce(write)
+        except (TimeoutError, ConnectionError):
+            raise  # the client is gone: nothing more to say to it
+        except Exception as e:  # the server's fault, in the middle of a stream
+            self.server.internal_error(f"{self.address_string()} {self.command} {shown(self.path)}", e)
+            write(sse(error_body(HTTPStatus.INTERNAL_SERVER_ERROR, "internal error", None, "internal_error")))
+            write(sse("[DONE]"))
+
+    def _respond(self, route: Callable[[str], dict[str, Any] | None]) -> None:
         try:
             status, data = HTTPStatus.OK, route(self.path.split("?", 1)[0].rstrip("/"))
         except RequestError as e:
@@ -351,12 +270,11 @@ class _Handler(BaseHTTPRequestHandler):
         except (TimeoutError, ConnectionError):
             raise  # a client too slow or gone: the connection is dropped (http.server logs the timeout)
         except Exception as e:  # the server's fault: details to the operator, "internal error" to the client
-            where = traceback.extract_tb(e.__traceback__)[-1]
-            self.server.report(f"{self.address_string()} {self.command} {_shown(self.path)}: internal error: "
-                               f"{type(e).__name__}: {e} (at {Path(where.filename).name}:{where.lineno})")
+            self.server.internal_error(f"{self.address_string()} {self.command} {shown(self.path)}", e)
             status, data = HTTPStatus.INTERNAL_SERVER_ERROR, error_body(
                 HTTPStatus.INTERNAL_SERVER_ERROR, "internal error", None, "internal_error")
-        self._answer(status, data)
+        if data is not None:
+            self._answer(status, data)
 
     def _check_api_key(self) -> None:
         """With an API key set, refuse a request without `Authorization: Bearer <key>` (compared in constant
@@ -401,7 +319,7 @@ class _Handler(BaseHTTPRequestHandler):
         the OpenAI shape as well."""
         self.close_connection = True
         status = HTTPStatus(code)
-        self._answer(status, error_body(status, _shown(message or status.phrase)))
+        self._answer(status, error_body(status, shown(message or status.phrase)))
 
     def _answer(self, status: HTTPStatus, data: dict[str, Any]) -> None:
         payload = json.dumps(data).encode("utf-8")

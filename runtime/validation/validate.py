@@ -25,6 +25,13 @@ from npuport.runtime.validation.endpoint import (
     EndpointBatch,
     EndpointCompletion,
     EndpointGivenUp,
+    served_models,
+)
+from npuport.runtime.validation.endpoint_fidelity import (
+    DEFAULT_TOP_K,
+    EndpointLogprobs,
+    RuntimeLogprobs,
+    logprob_fidelity,
 )
 from npuport.runtime.validation.fidelity import measure_fidelity
 from npuport.runtime.validation.gates import (
@@ -41,6 +48,7 @@ from npuport.runtime.validation.gsm8k import (
     GSM8KResult,
     make_protocol,
 )
+from npuport.runtime.validation.openai_api import MAX_TOP_LOGPROBS
 from npuport.runtime.validation.report import (
     AccuracyRow,
     FailedQuestions,
@@ -55,6 +63,7 @@ from npuport.runtime.validation.throughput import measure_throughput
 
 COMPLETIONS_NAME = "completions.jsonl"
 ANSWERS_NAME = "answers.jsonl"
+REFERENCE_ANSWERS_NAME = "answers-reference.jsonl"
 CANDIDATE_LABEL = "W8A8"
 REFERENCE_LABEL = "BF16"
 CHECKSUM_METHOD = "sha256 of the artifact's SHA256SUMS listing (the sha256 of every file, sha256sum format)"
@@ -89,6 +98,9 @@ class ValidateOptions:
     min_acceptance: float | None = None
     chat_template_kwargs: dict[str, Any] = field(default_factory=dict)
     batch_invariant: bool = False  # decode / verify steps on the batch-invariant kernels (runtime/invariance.py)
+    reference_endpoint: str | None = None  # the reference on a server instead of `reference` in the runtime
+    reference_endpoint_model: str | None = None  # None: the one model the server lists
+    fidelity_top_k: int = DEFAULT_TOP_K  # log-probabilities per position asked of a server for fidelity
 
     def check(self) -> None:
         """Refuse combinations that cannot be measured, before anything is loaded."""
@@ -101,6 +113,11 @@ class ValidateOptions:
             raise NpuportError("--max-new-tokens and --batch-size must be at least 1")
         if self.throughput and self.endpoint is None and self.max_new_tokens < 2:
             raise NpuportError("throughput needs --max-new-tokens of at least 2 (or --no-throughput)")
+        if self.reference is not None and self.reference_endpoint is not None:
+            raise NpuportError("give the reference once: --reference SRC (built-in runtime) or --reference-endpoint "
+                               "URL (a server)")
+        if not 1 <= self.fidelity_top_k <= MAX_TOP_LOGPROBS:
+            raise NpuportError(f"--fidelity-top-k must be between 1 and {MAX_TOP_LOGPROBS}")
 
 
 @dataclass(frozen=True)
@@ -282,6 +299,52 @@ def _measure_on_runtime(report: ValidationReport, opts: ValidateOptions, candida
             report.mtp_reference = acceptance_figures(ref_batch.acceptance)
 
 
+def _reference_runner(opts: ValidateOptions, device: torch.device,
+                      log: Log) -> RuntimeCompletions | CompletionsEndpoint | None:
+    """The reference: the BF16 source in the built-in runtime, a server, or none."""
+    if opts.reference is not None:
+        log(f"loading reference {opts.reference} on {device}")
+        return RuntimeCompletions.load(opts.reference, device=device, dtype=opts.dtype, batch_size=opts.batch_size,
+                                       mtp=opts.mtp, invariant=opts.batch_invariant)
+    if opts.reference_endpoint is None:
+        return None
+    model = opts.reference_endpoint_model
+    if model is None:
+        listed = served_models(opts.reference_endpoint, timeout_s=opts.timeout_s)
+        if len(listed) != 1:
+            raise NpuportError(f"{opts.reference_endpoint} serves {len(listed)} models ({', '.join(listed) or 'none'}"
+                               "); name the reference with --reference-endpoint-model")
+        model = listed[0]
+    return CompletionsEndpoint(opts.reference_endpoint, model, parallel=opts.parallel, timeout_s=opts.timeout_s,
+                               retries=opts.retries)
+
+
+def _measure_by_logprobs(report: ValidationReport, opts: ValidateOptions,
+                         candidate: RuntimeCompletions | CompletionsEndpoint,
+                         reference: RuntimeCompletions | CompletionsEndpoint, tokenizer: Any,
+                         prompts: Sequence[str], protocol: GSM8KProtocol, log: Log) -> None:
+    """Fidelity where a side is a server: from log-probabilities (endpoint_fidelity.py), on the first
+    fidelity_questions prompts, tokenized by the artifact's tokenizer."""
+    if tokenizer is None:
+        report.settings["fidelity"] = "not measured: the artifact has no tokenizer to turn the prompts into tokens"
+        return
+    f = min(opts.fidelity_questions or len(prompts), len(prompts))
+    log(f"fidelity: {CANDIDATE_LABEL} against {REFERENCE_LABEL} on {f} prompts, from top-{opts.fidelity_top_k} "
+        "log-probabilities")
+
+    def source(runner: RuntimeCompletions | CompletionsEndpoint) -> EndpointLogprobs | RuntimeLogprobs:
+        return RuntimeLogprobs(runner) if isinstance(runner, RuntimeCompletions) else EndpointLogprobs(runner)
+
+    ids = [list(tokenizer.encode(p)) for p in prompts[:f]]
+    measured = logprob_fidelity(source(candidate), source(reference), ids, protocol.max_new_tokens, protocol.stop,
+                                opts.fidelity_top_k)
+    report.fidelity = measured.fidelity
+    report.settings["fidelity"] = (
+        f"from top-{opts.fidelity_top_k} log-probabilities ({measured.fidelity.kl_method}); the estimate's bias "
+        "against the full-vocabulary KL is what validate reports beside it when both models run in the built-in "
+        "runtime")
+
+
 def run_validation(options: ValidateOptions, out_dir: Path | str, log: Log = print) -> ValidationOutcome:
     """Measure, gate and write the report into `out_dir`; the gates' verdicts are in the outcome (a failed
     gate is not an exception: the caller decides the exit status). With a reference on the built-in
@@ -306,18 +369,18 @@ def run_validation(options: ValidateOptions, out_dir: Path | str, log: Log = pri
     cand_result, cand_batch = run_gsm8k(candidate, protocol, prompts, CANDIDATE_LABEL, log, answers)
     completions = [(CANDIDATE_LABEL, cand_result, cand_batch)]
     row = AccuracyRow(cand_result)
-    reference = ref_batch = None
-    if opts.reference is not None:
-        log(f"loading reference {opts.reference} on {device}")
-        reference = RuntimeCompletions.load(opts.reference, device=device, dtype=opts.dtype,
-                                            batch_size=opts.batch_size, mtp=opts.mtp,
-                                            invariant=opts.batch_invariant)
-        ref_result, ref_batch = run_gsm8k(reference, protocol, prompts, REFERENCE_LABEL, log)
+    reference = _reference_runner(opts, device, log)
+    ref_batch = None
+    if reference is not None:
+        ref_result, ref_batch = run_gsm8k(reference, protocol, prompts, REFERENCE_LABEL, log,
+                                          Path(out_dir) / REFERENCE_ANSWERS_NAME)
         completions.append((REFERENCE_LABEL, ref_result, ref_batch))
         row = AccuracyRow.paired(cand_result, ref_result, seed=opts.seed)
-        settings["reference"] = str(opts.reference)
+        settings["reference"] = (str(opts.reference) if opts.reference is not None
+                                 else f"endpoint {reference.url} (model {reference.model})")
 
     local = isinstance(candidate, RuntimeCompletions)
+    ref_local = isinstance(reference, RuntimeCompletions)
     device_text = describe_device(device)
     if local:
         settings["kernels"] = (
@@ -327,22 +390,29 @@ def run_validation(options: ValidateOptions, out_dir: Path | str, log: Log = pri
     if local and candidate.model.parallel.active:
         device_text += f" x {candidate.model.parallel.world} (tensor + expert parallel)"
     if not local:
-        device_text = f"endpoint {candidate.url}" + (f"; reference on {device_text}" if reference else "")
+        device_text = f"endpoint {candidate.url}" + (f"; reference on {device_text}" if ref_local else "")
+    if isinstance(reference, CompletionsEndpoint):
+        device_text += f"; reference on endpoint {reference.url}"
     report = ValidationReport(artifact=str(opts.artifact), device=device_text, seed=opts.seed,
                               candidate_label=CANDIDATE_LABEL, reference_label=REFERENCE_LABEL, accuracy=[row],
                               settings=settings)
-    if local or reference is not None:
+    if local or ref_local:
         report.dtypes = {"float tensors and activations": opts.dtype,
                          "quantized linears": "int8 weights per channel x int8 activations per token"}
     if local:
-        _measure_on_runtime(report, opts, candidate, cand_batch, reference, ref_batch, log)
-    else:
-        settings["answers"] = f"{ANSWERS_NAME}: each endpoint answer, or its error, as it arrived"
+        _measure_on_runtime(report, opts, candidate, cand_batch, reference if ref_local else None,
+                            ref_batch if ref_local else None, log)
+    for label, runner, batch in ((CANDIDATE_LABEL, candidate, cand_batch), (REFERENCE_LABEL, reference, ref_batch)):
+        if isinstance(runner, CompletionsEndpoint):
+            failed = FailedQuestions(label, n, batch.failures)
+            report.failed_questions.append(failed)
+            report.gates.append(answered_gate(failed))
+    if not local or isinstance(reference, CompletionsEndpoint):
+        settings["answers"] = "each endpoint answer, or its error, as it arrived: " + ", ".join(
+            name for name, r in ((ANSWERS_NAME, candidate), (REFERENCE_ANSWERS_NAME, reference))
+            if isinstance(r, CompletionsEndpoint))
         if reference is not None:
-            settings["fidelity"] = "not measured: the candidate ran on an endpoint"
-        failed = FailedQuestions(CANDIDATE_LABEL, n, cand_batch.failures)
-        report.failed_questions.append(failed)
-        report.gates.append(answered_gate(failed))
+            _measure_by_logprobs(report, opts, candidate, reference, tokenizer, prompts, protocol, log)
 
     if row.reference is not None and opts.max_accuracy_drop is not None:
         report.gates.append(accuracy_drop_gate(row, opts.max_accuracy_drop, CANDIDATE_LABEL, REFERENCE_LABEL))

@@ -1,0 +1,396 @@
+"""The OpenAI API as `npuport serve` speaks it: `/v1/completions` and `/v1/chat/completions` request bodies read
+into checked requests (every field that sizes work bounded before anything is allocated), and the objects the
+API answers - completions, chat completions, their stream chunks, log-probabilities, errors. No HTTP here
+(serve.py) and no model (completions.py): plain data in, plain data out."""
+
+from __future__ import annotations
+
+import json
+import math
+import time
+import uuid
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from http import HTTPStatus
+from typing import Any
+
+from npuport.runtime.sampling import SamplingParams
+from npuport.runtime.validation.gsm8k import cut_at_stop
+from npuport.runtime.validation.logprobs import PositionLogprobs
+
+DEFAULT_MAX_TOKENS = 16  # the OpenAI API's default for /v1/completions
+DEFAULT_TEMPERATURE = 1.0  # likewise; clients that want greedy send temperature 0
+MAX_PROMPTS = 128  # prompts in one request's list: each costs a tokenization and a slot in a batch
+MAX_CHOICES = 16  # `n`: completions per prompt (each a row of the batch)
+MAX_ROWS = 128  # prompts x n of one request
+MAX_STOP_STRINGS = 16  # each is searched for in the text every few tokens
+MAX_TOP_LOGPROBS = 20  # vLLM's default most; the OpenAI API allows 5 for completions and 20 for chat
+MAX_MESSAGES = 256
+SEED_RANGE = (-(1 << 63), (1 << 64) - 1)  # what torch.Generator.manual_seed takes
+SHOWN_CHARS = 100  # of a client's own text (a path, a model name) quoted back in an error
+TOKEN_ID_PREFIX = "token_id:"  # vLLM's `return_tokens_as_token_ids` spelling of a token
+
+
+class RequestError(Exception):
+    """A request the server refuses: the HTTP status, the message it answers, the request field at fault
+    (OpenAI's `param`) and a machine-readable `code`."""
+
+    def __init__(self, status: HTTPStatus, message: str, param: str | None = None, code: str | None = None) -> None:
+        super().__init__(message)
+        self.status = status
+        self.param = param
+        self.code = code
+
+
+def error_body(status: HTTPStatus, message: str, param: str | None = None, code: str | None = None) -> dict:
+    """The OpenAI API's error object: `{"error": {"message", "type", "param", "code"}}`."""
+    kind = "invalid_request_error" if status < 500 else "server_error"
+    return {"error": {"message": message, "type": kind, "param": param, "code": code}}
+
+
+def shown(text: str) -> str:
+    """A client's own text, cut short, for quoting back in an error."""
+    return text if len(text) <= SHOWN_CHARS else text[:SHOWN_CHARS] + "..."
+
+
+def refuse(name: str, message: str) -> RequestError:
+    return RequestError(HTTPStatus.BAD_REQUEST, message, name, "invalid_value")
+
+
+def _field(body: dict[str, Any], name: str, kinds: tuple[type, ...], default: Any) -> Any:
+    value = body.get(name, default)
+    if value is None:
+        return default
+    if not isinstance(value, kinds) or (isinstance(value, bool) and bool not in kinds):
+        raise RequestError(HTTPStatus.BAD_REQUEST, f"'{name}' must be {' or '.join(k.__name__ for k in kinds)}",
+                           name, "invalid_type")
+    if isinstance(value, float) and not math.isfinite(value):
+        raise RequestError(HTTPStatus.BAD_REQUEST, f"'{name}' must be a finite number", name, "invalid_value")
+    return value
+
+
+def _bounded_int(body: dict[str, Any], name: str, default: int | None, low: int, high: int, why: str = "") -> Any:
+    value = _field(body, name, (int,), default)
+    if value is not None and not low <= value <= high:
+        raise refuse(name, f"'{name}' is {value}; it must be between {low} and {high}{why}")
+    return value
+
+
+Prompt = str | list[int]  # text, or token ids as the API also takes them
+
+
+@dataclass(frozen=True)
+class Generation:
+    """What every kind of request asks of the model: how many tokens, when to stop, how to sample, how many
+    choices per prompt, log-probabilities (top-k per token, None: none), and whether to stream."""
+
+    max_tokens: int
+    stop: list[str]
+    sampling: SamplingParams
+    n: int = 1
+    logprobs: int | None = None
+    stream: bool = False
+    include_usage: bool = False  # stream_options.include_usage: a last chunk with the usage
+    tokens_as_ids: bool = False  # vLLM's return_tokens_as_token_ids: tokens spelled `token_id:N`
+
+
+@dataclass(frozen=True)
+class CompletionRequest:
+    prompts: list[Prompt]
+    generation: Generation
+    echo: bool = False
+
+
+@dataclass(frozen=True)
+class ChatRequest:
+    messages: list[dict[str, str]]
+    generation: Generation
+    template_kwargs: dict[str, Any] = field(default_factory=dict)  # vLLM's chat_template_kwargs
+
+
+def _check_model(body: dict[str, Any], served_model: str) -> None:
+    model = body.get("model")
+    if model is not None and model != served_model:
+        raise RequestError(HTTPStatus.NOT_FOUND, f"model {shown(str(model))!r} is not served here; this server "
+                                                 f"serves {served_model!r}", "model", "model_not_found")
+
+
+def _token_ids(value: Any) -> bool:
+    return isinstance(value, list) and bool(value) and all(isinstance(t, int) and not isinstance(t, bool)
+                                                          for t in value)
+
+
+def _prompts(body: dict[str, Any]) -> list[Prompt]:
+    """`prompt`: a string, a list of strings, a list of token ids or a list of such lists (the API's four forms)."""
+    prompt = body.get("prompt")
+    if isinstance(prompt, str) or _token_ids(prompt):
+        prompts = [prompt]
+    elif isinstance(prompt, list) and prompt and all(isinstance(p, str) or _token_ids(p) for p in prompt):
+        prompts = list(prompt)
+    else:
+        raise refuse("prompt", "'prompt' must be a string, a list of strings, a list of token ids or a list of "
+                               "such lists, not empty")
+    if len(prompts) > MAX_PROMPTS:
+        raise refuse("prompt", f"'prompt' lists {len(prompts)} prompts; this server takes at most {MAX_PROMPTS} "
+                               "per request")
+    return prompts
+
+
+def _generation(body: dict[str, Any], max_tokens_limit: int, prompts: int, max_tokens_names: Sequence[str],
+                logprobs: int | None) -> Generation:
+    stop = _field(body, "stop", (str, list), [])
+    stop = [stop] if isinstance(stop, str) else stop
+    if not all(isinstance(s, str) and s for s in stop) or len(stop) > MAX_STOP_STRINGS:
+        raise refuse("stop", f"'stop' must be a string or a list of at most {MAX_STOP_STRINGS} non-empty strings")
+    name = next((n for n in max_tokens_names if body.get(n) is not None), max_tokens_names[0])
+    max_tokens = _field(body, name, (int,), DEFAULT_MAX_TOKENS)
+    if max_tokens < 1:
+        raise refuse(name, f"'{name}' is {max_tokens}; need {name} >= 1")
+    if max_tokens > max_tokens_limit:
+        raise refuse(name, f"'{name}' is {max_tokens}, more than this server's limit of {max_tokens_limit} "
+                           "(npuport serve --max-tokens-limit)")
+    temperature = float(_field(body, "temperature", (int, float), DEFAULT_TEMPERATURE))
+    if temperature < 0:
+        raise refuse("temperature", "'temperature' must be >= 0")
+    top_p = float(_field(body, "top_p", (int, float), 1.0))
+    if not 0 < top_p <= 1:
+        raise refuse("top_p", "'top_p' must be in (0, 1]")
+    seed = _field(body, "seed", (int,), None)
+    if seed is not None and not SEED_RANGE[0] <= seed <= SEED_RANGE[1]:
+        raise refuse("seed", "'seed' must be a 64-bit integer")
+    n = _bounded_int(body, "n", 1, 1, MAX_CHOICES)
+    if n * prompts > MAX_ROWS:
+        raise refuse("n", f"{prompts} prompts x n = {n} make {n * prompts} completions; this server makes at most "
+                          f"{MAX_ROWS} per request")
+    stream = _field(body, "stream", (bool,), False)
+    options = _field(body, "stream_options", (dict,), {})
+    if options and not stream:
+        raise refuse("stream_options", "'stream_options' is only for stream: true")
+    if stream and logprobs is not None:
+        raise refuse("logprobs", "log-probabilities are not streamed by this server; ask without stream")
+    return Generation(max_tokens, list(stop), SamplingParams(temperature, top_p, seed), n, logprobs, stream,
+                      bool(options.get("include_usage")), _field(body, "return_tokens_as_token_ids", (bool,), False))
+
+
+def parse_completion_request(body: Any, served_model: str, max_tokens_limit: int) -> CompletionRequest:
+    """A /v1/completions body: `prompt` (see _prompts), `max_tokens` (1 to max_tokens_limit), `temperature`,
+    `top_p`, `seed`, `stop`, `n`, `stream` (+ `stream_options.include_usage`), `echo`, `logprobs` (0 to
+    MAX_TOP_LOGPROBS), `model` (absent or the served name). Other fields are ignored, as the engines ignore
+    unknown ones. The model's context is checked once the prompts are tokenized (`check_context`)."""
+    if not isinstance(body, dict):
+        raise RequestError(HTTPStatus.BAD_REQUEST, "the body must be a JSON object")
+    _check_model(body, served_model)
+    prompts = _prompts(body)
+    logprobs = _bounded_int(body, "logprobs", None, 0, MAX_TOP_LOGPROBS)
+    generation = _generation(body, max_tokens_limit, len(prompts), ("max_tokens",), logprobs)
+    echo = _field(body, "echo", (bool,), False)
+    if echo and generation.stream:
+        raise refuse("echo", "'echo' is not streamed by this server; ask without stream")
+    return CompletionRequest(prompts, generation, echo)
+
+
+def _message(value: Any, i: int) -> dict[str, str]:
+    """One chat message: `role` and `content` (a string, or a list of text parts, which are joined)."""
+    if not isinstance(value, dict) or not isinstance(value.get("role"), str):
+        raise refuse("messages", f"message {i} must be an object with a 'role'")
+    content = value.get("content", "")
+    if isinstance(content, list):
+        if not all(isinstance(p, dict) and p.get("type") == "text" and isinstance(p.get("text"), str)
+                   for p in content):
+            raise refuse("messages", f"message {i}: only text content parts are served here")
+        content = "".join(p["text"] for p in content)
+    if not isinstance(content, str):
+        raise refuse("messages", f"message {i}: 'content' must be a string or a list of text parts")
+    return {"role": value["role"], "content": content}
+
+
+def parse_chat_request(body: Any, served_model: str, max_tokens_limit: int) -> ChatRequest:
+    """A /v1/chat/completions body: `messages` (at most MAX_MESSAGES), `max_completion_tokens` or `max_tokens`,
+    `logprobs` (true/false) with `top_logprobs` (0 to MAX_TOP_LOGPROBS), `chat_template_kwargs` (vLLM's, e.g.
+    {"enable_thinking": false}), and the fields completions take (`n`, `stop`, `stream`, sampling)."""
+    if not isinstance(body, dict):
+        raise RequestError(HTTPStatus.BAD_REQUEST, "the body must be a JSON object")
+    _check_model(body, served_model)
+    messages = body.get("messages")
+    if not isinstance(messages, list) or not messages or len(messages) > MAX_MESSAGES:
+        raise refuse("messages", f"'messages' must be a list of 1 to {MAX_MESSAGES} messages")
+    messages = [_message(m, i) for i, m in enumerate(messages)]
+    top = _bounded_int(body, "top_logprobs", None, 0, MAX_TOP_LOGPROBS)
+    wants = _field(body, "logprobs", (bool,), False)
+    if top is not None and not wants:
+        raise refuse("top_logprobs", "'top_logprobs' needs 'logprobs': true")
+    generation = _generation(body, max_tokens_limit, 1, ("max_completion_tokens", "max_tokens"),
+                             (top or 0) if wants else None)
+    kwargs = _field(body, "chat_template_kwargs", (dict,), {})
+    return ChatRequest(messages, generation, dict(kwargs))
+
+
+def check_context(prompt_ids: list[list[int]], max_tokens: int, context_tokens: int, vocab: int) -> None:
+    """Refuse a request whose prompt and `max_tokens` do not fit the model's context (`max_position_embeddings`
+    tokens) - the runtime sizes its caches by prompt + max_tokens, so this bounds the memory a request takes -
+    or whose token ids lie outside the vocabulary."""
+    for i, ids in enumerate(prompt_ids):
+        if not ids:
+            raise refuse("prompt", f"prompt {i} has no tokens; a prompt needs at least one token")
+        if not all(0 <= t < vocab for t in ids):
+            raise refuse("prompt", f"prompt {i} has token ids outside the vocabulary of {vocab}")
+        room = context_tokens - len(ids)
+        if room < 1:
+            raise RequestError(HTTPStatus.BAD_REQUEST, f"prompt {i} has {len(ids)} tokens; the model's context is "
+                               f"{context_tokens} tokens", "prompt", "context_length_exceeded")
+        if max_tokens > room:
+            raise RequestError(HTTPStatus.BAD_REQUEST, f"'max_tokens' is {max_tokens}, but the model's context of "
+                               f"{context_tokens} tokens leaves {room} after the {len(ids)} tokens of prompt {i}",
+                               "max_tokens", "context_length_exceeded")
+
+
+# ---------------------------------------------------------------------------------------------------------
+# What the server answers
+
+TokenText = Callable[[int], str]  # a token id -> its text as the API shows a token
+
+
+def token_texter(decode_one: TokenText, as_ids: bool) -> TokenText:
+    return (lambda t: f"{TOKEN_ID_PREFIX}{t}") if as_ids else decode_one
+
+
+def completion_logprobs(positions: Sequence[PositionLogprobs], texter: TokenText, offset: int = 0) -> dict:
+    """The `logprobs` object of a /v1/completions choice: tokens, their log-probabilities, top-k as {token:
+    log-probability}, each token's offset in the text (from `offset`)."""
+    tokens, token_logprobs, top, offsets = [], [], [], []
+    for position in positions:
+        text = texter(position.token)
+        offsets.append(offset)
+        offset += len(text)
+        tokens.append(text)
+        token_logprobs.append(position.logprob)
+        top.append({texter(t): lp for t, lp in position.top})
+    return {"tokens": tokens, "token_logprobs": token_logprobs, "top_logprobs": top, "text_offset": offsets}
+
+
+def with_first_token(first: int, rest: dict, texter: TokenText) -> dict:
+    """`completion_logprobs` of an echoed prompt: its first token leads, with no log-probability (nothing comes
+    before it)."""
+    text = texter(first)
+    return {"tokens": [text, *rest["tokens"]], "token_logprobs": [None, *rest["token_logprobs"]],
+            "top_logprobs": [None, *rest["top_logprobs"]],
+            "text_offset": [0, *(o + len(text) for o in rest["text_offset"])]}
+
+
+def chat_logprobs(positions: Sequence[PositionLogprobs], texter: TokenText) -> dict:
+    """The `logprobs` object of a chat choice: `content`, one entry per token with its bytes and top-k."""
+
+    def entry(token: int, logprob: float) -> dict:
+        text = texter(token)
+        return {"token": text, "logprob": logprob, "bytes": list(text.encode("utf-8"))}
+
+    return {"content": [{**entry(p.token, p.logprob), "top_logprobs": [entry(t, lp) for t, lp in p.top]}
+                        for p in positions]}
+
+
+def usage(prompt_tokens: int, completion_tokens: int) -> dict:
+    return {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
+            "total_tokens": prompt_tokens + completion_tokens}
+
+
+@dataclass(frozen=True)
+class Answer:
+    """One choice as the model gave it: the text (cut at a stop string), why it ended, and its log-probabilities
+    object (None: not asked for)."""
+
+    text: str
+    finish_reason: str | None
+    logprobs: dict | None = None
+
+
+def new_id(prefix: str) -> str:
+    return f"{prefix}-{uuid.uuid4().hex}"
+
+
+def completion_object(served_model: str, answers: Sequence[Answer], prompt_tokens: int,
+                      completion_tokens: int) -> dict:
+    return {"id": new_id("cmpl"), "object": "text_completion", "created": int(time.time()), "model": served_model,
+            "choices": [{"index": i, "text": a.text, "logprobs": a.logprobs, "finish_reason": a.finish_reason}
+                        for i, a in enumerate(answers)],
+            "usage": usage(prompt_tokens, completion_tokens)}
+
+
+def chat_object(served_model: str, answers: Sequence[Answer], prompt_tokens: int, completion_tokens: int) -> dict:
+    return {"id": new_id("chatcmpl"), "object": "chat.completion", "created": int(time.time()),
+            "model": served_model,
+            "choices": [{"index": i, "message": {"role": "assistant", "content": a.text}, "logprobs": a.logprobs,
+                         "finish_reason": a.finish_reason} for i, a in enumerate(answers)],
+            "usage": usage(prompt_tokens, completion_tokens)}
+
+
+@dataclass
+class ChunkMaker:
+    """The stream chunks of one request, all with the same id and time: completions' `text_completion` chunks
+    or chat's `chat.completion.chunk` ones (the first of a chat choice carries the assistant role)."""
+
+    served_model: str
+    chat: bool
+    id: str = ""
+    created: int = 0
+
+    def __post_init__(self) -> None:
+        self.id = new_id("chatcmpl" if self.chat else "cmpl")
+        self.created = int(time.time())
+        self._started: set[int] = set()
+
+    def _wrap(self, choices: list[dict], extra: dict | None = None) -> dict:
+        kind = "chat.completion.chunk" if self.chat else "text_completion"
+        return {"id": self.id, "object": kind, "created": self.created, "model": self.served_model,
+                "choices": choices, **(extra or {})}
+
+    def text(self, index: int, text: str, finish_reason: str | None = None) -> dict:
+        if not self.chat:
+            return self._wrap([{"index": index, "text": text, "logprobs": None, "finish_reason": finish_reason}])
+        delta: dict[str, str] = {} if index in self._started else {"role": "assistant"}
+        self._started.add(index)
+        if text or not delta:
+            delta["content"] = text
+        return self._wrap([{"index": index, "delta": delta, "logprobs": None, "finish_reason": finish_reason}])
+
+    def usage(self, prompt_tokens: int, completion_tokens: int) -> dict:
+        return self._wrap([], {"usage": usage(prompt_tokens, completion_tokens)})
+
+
+def sse(data: dict | str) -> bytes:
+    """One server-sent event: `data: <json>` (or the literal [DONE]) and a blank line."""
+    return f"data: {data if isinstance(data, str) else json.dumps(data)}\n\n".encode()
+
+
+def models_object(served_model: str) -> dict:
+    return {"object": "list", "data": [{"id": served_model, "object": "model", "created": 0, "owned_by": "npuport"}]}
+
+
+class StreamedText:
+    """The text of one streamed choice as its tokens come: each `add` gives the part that may be sent now - never
+    what could still turn out to be part of a stop string (the last len(longest stop) - 1 characters wait) nor a
+    character whose bytes have not all come - and `finish` the rest of the final answer, so that the chunks add
+    up to the answer a request without stream gets."""
+
+    def __init__(self, decode: Callable[[list[int]], str], stop: Sequence[str]) -> None:
+        self.decode, self.stop = decode, list(stop)
+        self.hold = max((len(s) for s in self.stop), default=1) - 1
+        self.tokens: list[int] = []
+        self.sent = ""
+
+    def _send(self, safe: str) -> str:
+        if not safe.startswith(self.sent):  # a tokenizer whose text of more tokens rewrites the end: wait
+            return ""
+        delta, self.sent = safe[len(self.sent):], safe
+        return delta
+
+    def add(self, new: Sequence[int]) -> str:
+        self.tokens += new
+        text = self.decode(self.tokens)
+        if any(s in text for s in self.stop):
+            safe = cut_at_stop(text, self.stop)
+        else:
+            safe = text[:len(text) - self.hold] if self.hold else text
+        return self._send(safe.rstrip("\ufffd"))
+
+    def finish(self, answer: str) -> str:
+        return self._send(answer)

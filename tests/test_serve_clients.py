@@ -1,0 +1,105 @@
+"""The clients people point at the engines, pointed at `npuport serve` as they are: the official `openai` Python
+client (completions, chat, streaming, log-probabilities, an API key) gets what plain HTTP gets, and
+lm-evaluation-harness (`local-completions`, which sends each prompt as token ids) runs its own `gsm8k` task - from
+a local JSONL copy of the data, nothing downloaded - to the answers `npuport validate --protocol lm-eval` gives
+on the same questions and model: the same text, the same extracted answer and the same scores per question."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import lm_eval
+import openai
+import pytest
+from click.testing import CliRunner
+from lm_eval.tasks import TaskManager
+
+from npuport.cli import main
+from npuport.fixtures.train_tiny import trained_tiny_path
+from npuport.runtime.validation.completions import RuntimeCompletions
+from npuport.runtime.validation.gsm8k import gsm8k_path, normalize_lm_eval
+from npuport.runtime.validation.serve import make_server
+from tests.test_serve import post, running
+
+pytestmark = pytest.mark.usefixtures("one_cpu_thread")
+
+QUESTIONS = 4
+NEW_TOKENS = 32
+
+
+@pytest.fixture(scope="module")
+def runner() -> RuntimeCompletions:
+    return RuntimeCompletions.load(trained_tiny_path(), device="cpu", dtype="float32", batch_size=4)
+
+
+def test_the_openai_client_reads_completions_chat_streams_and_logprobs(runner):
+    prompt = "Question: Tom has 3 apples and buys 4 more. How many now?\nAnswer:"
+    messages = [{"role": "user", "content": "What is 3 + 4?"}]
+    with running(make_server(runner, "trained", api_key="k-2718")) as url:
+        client = openai.OpenAI(base_url=url + "/v1", api_key="k-2718", max_retries=0)
+        wrong_key = openai.OpenAI(base_url=url + "/v1", api_key="nope", max_retries=0)
+        plain = post(url, {"prompt": prompt, "max_tokens": 12, "temperature": 0})  # no key: refused
+        completion = client.completions.create(model="trained", prompt=prompt, max_tokens=12, temperature=0,
+                                               logprobs=3)
+        streamed = "".join(chunk.choices[0].text for chunk in client.completions.create(
+            model="trained", prompt=prompt, max_tokens=12, temperature=0, stream=True) if chunk.choices)
+        chat = client.chat.completions.create(model="trained", messages=messages, max_tokens=16, temperature=0,
+                                              logprobs=True, top_logprobs=2)
+        chat_stream = "".join(chunk.choices[0].delta.content or "" for chunk in client.chat.completions.create(
+            model="trained", messages=messages, max_tokens=16, temperature=0, stream=True) if chunk.choices)
+        models = [m.id for m in client.models.list()]
+        with pytest.raises(openai.AuthenticationError):
+            wrong_key.completions.create(model="trained", prompt=prompt, max_tokens=2)
+        with pytest.raises(openai.NotFoundError):
+            client.completions.create(model="another", prompt=prompt, max_tokens=2)
+    assert plain[0] == 401
+    choice = completion.choices[0]
+    assert choice.text and streamed == choice.text and completion.usage.completion_tokens == 12
+    assert "".join(choice.logprobs.tokens) == choice.text and all(len(t) == 3 for t in choice.logprobs.top_logprobs)
+    message = chat.choices[0].message
+    assert message.role == "assistant" and message.content and chat_stream == message.content
+    assert [len(e.top_logprobs) for e in chat.choices[0].logprobs.content] == [2] * chat.usage.completion_tokens
+    assert models == ["trained"]
+
+
+def gsm8k_task(folder: Path) -> str:
+    """lm-eval's own `gsm8k` task config, included whole, with its data read from npuport's JSONL copies."""
+    folder.mkdir()
+    own = Path(lm_eval.__file__).parent / "tasks" / "gsm8k" / "gsm8k.yaml"
+    (folder / "npuport_gsm8k.yaml").write_text(
+        f"include: {own}\ntask: npuport_gsm8k\ntag: []\ndataset_path: json\ndataset_name: null\n"
+        f"dataset_kwargs:\n  cache_dir: {folder / 'cache'}\n  data_files:\n"
+        f"    train: {gsm8k_path('train')}\n    test: {gsm8k_path('test')}\n")
+    return "npuport_gsm8k"
+
+
+def test_lm_evaluation_harness_gsm8k_scores_as_validate_does(runner, tmp_path, monkeypatch):
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    monkeypatch.setenv("HF_DATASETS_OFFLINE", "1")
+    task = gsm8k_task(tmp_path / "tasks")
+    with running(make_server(runner, "trained")) as url:
+        results = lm_eval.simple_evaluate(
+            model="local-completions", tasks=[task], task_manager=TaskManager(include_path=str(tmp_path / "tasks")),
+            model_args={"base_url": url + "/v1/completions", "model": "trained", "tokenizer_backend": "huggingface",
+                        "tokenizer": str(trained_tiny_path()), "max_gen_toks": NEW_TOKENS, "num_concurrent": 1,
+                        "max_retries": 1},
+            limit=QUESTIONS, log_samples=True)
+    ours = CliRunner().invoke(main, ["validate", "--gsm8k", str(trained_tiny_path()), "--protocol", "lm-eval",
+                                     "--num-questions", str(QUESTIONS), "--max-new-tokens", str(NEW_TOKENS),
+                                     "--dtype", "float32", "--batch-size", "1", "--device", "cpu", "--no-throughput",
+                                     "--out", str(tmp_path / "validate")])
+    assert ours.exit_code == 0, ours.output
+    rows = [json.loads(line) for line in (tmp_path / "validate" / "completions.jsonl").read_text().splitlines()]
+    report = json.loads((tmp_path / "validate" / "report.json").read_text())["gsm8k"][0]["candidate"]
+    samples = sorted(results["samples"][task], key=lambda s: (s["filter"], s["doc_id"]))
+    by_filter = {name: [s for s in samples if s["filter"] == name] for name in ("strict-match", "flexible-extract")}
+    assert [s["resps"][0][0] for s in by_filter["strict-match"]] == [r["text"] for r in rows]
+    for score in report["scores"]:
+        theirs = by_filter[score["name"]]
+        # ours keep the answer normalized as lm-eval's exact_match compares it (its regexes_to_ignore)
+        assert [s["filtered_resps"][0] if s["filtered_resps"][0] == "[invalid]" else
+                normalize_lm_eval(s["filtered_resps"][0]) for s in theirs] == [
+                    p if p is not None else "[invalid]" for p in score["predictions"]]
+        assert [bool(s["exact_match"]) for s in theirs] == score["correct"]
+        assert results["results"][task][f"exact_match,{score['name']}"] == score["accuracy"]
