@@ -92,7 +92,7 @@ def test_two_servers_give_the_fidelity_the_built_in_runtime_gives_within_the_est
     estimate = full = 0.0
     for sequence in measured.sequences:
         ref_logits, cand_logits = (forward_logits(m, [sequence])[0][0, :-1] for m in (bf16, w8a8))
-        estimate += sum(topk_kl_from_logits(ref_logits, cand_logits, TOP_K))
+        estimate += sum(topk_kl_from_logits(ref_logits, cand_logits, [TOP_K])[TOP_K])
         full += kl_divergence(ref_logits, cand_logits).sum().item()
         top1 += (ref_logits.argmax(-1) == cand_logits.argmax(-1)).sum().item()
         positions += ref_logits.shape[0]

@@ -55,8 +55,8 @@ class _Totals:
         self.top1_same += int((cand_logits.argmax(-1) == ref_logits.argmax(-1)).sum())
         for s in range(0, cand_logits.shape[0], KL_CHUNK):
             self.kl += float(kl_divergence(ref_logits[s:s + KL_CHUNK], cand_logits[s:s + KL_CHUNK]).sum())
-        for k in ESTIMATE_KS:
-            self.topk_kl[k] += sum(topk_kl_from_logits(ref_logits, cand_logits, k))
+        for k, estimates in topk_kl_from_logits(ref_logits, cand_logits, ESTIMATE_KS).items():
+            self.topk_kl[k] += sum(estimates)
         sums = [float(torch.cosine_similarity(c.float(), r.float(), dim=-1).sum())
                 for c, r in zip(cand_hidden, ref_hidden, strict=True)]
         self.cosine = sums if self.cosine is None else [a + b for a, b in zip(self.cosine, sums, strict=True)]

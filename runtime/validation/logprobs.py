@@ -81,13 +81,17 @@ def topk_kl_estimate(reference: Mapping[int, float], candidate: Mapping[int, flo
     return kl
 
 
-def topk_kl_from_logits(reference_logits: torch.Tensor, candidate_logits: torch.Tensor, k: int) -> list[float]:
-    """topk_kl_estimate at every row of two logits [N, V]: what an endpoint's top-k would give, from full logits."""
-    estimates = []
+def topk_kl_from_logits(reference_logits: torch.Tensor, candidate_logits: torch.Tensor,
+                        ks: Sequence[int]) -> dict[int, list[float]]:
+    """k -> topk_kl_estimate at every row of two logits [N, V], for each k of ks: what an endpoint's top-k would
+    give, from full logits (one log-softmax and top-k per chunk for all ks: a smaller k's top is a prefix)."""
+    estimates: dict[int, list[float]] = {k: [] for k in ks}
     for s in range(0, reference_logits.shape[0], LOGPROB_CHUNK):
-        _, ref_values, ref_ids = top_logprobs(reference_logits[s:s + LOGPROB_CHUNK], k)
-        _, cand_values, cand_ids = top_logprobs(candidate_logits[s:s + LOGPROB_CHUNK], k)
+        _, ref_values, ref_ids = top_logprobs(reference_logits[s:s + LOGPROB_CHUNK], max(ks))
+        _, cand_values, cand_ids = top_logprobs(candidate_logits[s:s + LOGPROB_CHUNK], max(ks))
         for rv, ri, cv, ci in zip(ref_values.tolist(), ref_ids.tolist(), cand_values.tolist(), cand_ids.tolist(),
                                   strict=True):
-            estimates.append(topk_kl_estimate(dict(zip(ri, rv, strict=True)), dict(zip(ci, cv, strict=True))))
+            for k, rows in estimates.items():
+                rows.append(topk_kl_estimate(dict(zip(ri[:k], rv[:k], strict=True)),
+                                             dict(zip(ci[:k], cv[:k], strict=True))))
     return estimates

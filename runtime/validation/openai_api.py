@@ -69,10 +69,10 @@ def _field(body: dict[str, Any], name: str, kinds: tuple[type, ...], default: An
     return value
 
 
-def _bounded_int(body: dict[str, Any], name: str, default: int | None, low: int, high: int, why: str = "") -> Any:
+def _bounded_int(body: dict[str, Any], name: str, default: int | None, low: int, high: int) -> Any:
     value = _field(body, name, (int,), default)
     if value is not None and not low <= value <= high:
-        raise refuse(name, f"'{name}' is {value}; it must be between {low} and {high}{why}")
+        raise refuse(name, f"'{name}' is {value}; it must be between {low} and {high}")
     return value
 
 
@@ -254,10 +254,11 @@ def token_texter(decode_one: TokenText, as_ids: bool) -> TokenText:
     return (lambda t: f"{TOKEN_ID_PREFIX}{t}") if as_ids else decode_one
 
 
-def completion_logprobs(positions: Sequence[PositionLogprobs], texter: TokenText, offset: int = 0) -> dict:
+def completion_logprobs(positions: Sequence[PositionLogprobs], texter: TokenText) -> dict:
     """The `logprobs` object of a /v1/completions choice: tokens, their log-probabilities, top-k as {token:
-    log-probability}, each token's offset in the text (from `offset`)."""
+    log-probability}, each token's offset in the text."""
     tokens, token_logprobs, top, offsets = [], [], [], []
+    offset = 0
     for position in positions:
         text = texter(position.token)
         offsets.append(offset)
@@ -330,8 +331,8 @@ class ChunkMaker:
 
     served_model: str
     chat: bool
-    id: str = ""
-    created: int = 0
+    id: str = field(init=False)
+    created: int = field(init=False)
 
     def __post_init__(self) -> None:
         self.id = new_id("chatcmpl" if self.chat else "cmpl")

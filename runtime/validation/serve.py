@@ -115,7 +115,6 @@ class CompletionsServer(ThreadingHTTPServer):
         except BaseException:
             super().server_close()
             raise
-        self.served_model = served_model
         self.limits = limits
         self.api_key = api_key
         self.log = log
@@ -219,7 +218,7 @@ class _Handler(BaseHTTPRequestHandler):
             return {"status": "ok"}
         self._check_api_key()
         if path == "/v1/models":
-            return models_object(self.server.served_model)
+            return models_object(self.server.service.served_model)
         raise RequestError(HTTPStatus.NOT_FOUND, f"no such path {shown(self.path)!r}", None, "not_found")
 
     def _post(self, path: str) -> dict[str, Any] | None:
