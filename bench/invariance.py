@@ -22,12 +22,8 @@ from npuport.convert.converter import convert_qwen35
 from npuport.fixtures.tiny_checkpoint import like_spec, make_tiny
 from npuport.runtime.generate import generate
 from npuport.runtime.loader import load_model
+from npuport.runtime.validation.fidelity import greedy_token_agreement
 from npuport.runtime.validation.throughput import measure_throughput
-
-
-def agreement(a: list[list[int]], b: list[list[int]]) -> float:
-    pairs = [(x, y) for ra, rb in zip(a, b, strict=True) for x, y in zip(ra, rb, strict=False)]
-    return sum(x == y for x, y in pairs) / len(pairs)
 
 
 def main() -> None:
@@ -52,7 +48,7 @@ def main() -> None:
         for invariant in (False, True):
             mode = "invariant" if invariant else "fast"
             plain = generate(model, checks, 64, invariant=invariant).tokens
-            same = {k: agreement(generate(model, checks, 64, mtp=k, invariant=invariant).tokens, plain)
+            same = {k: greedy_token_agreement(generate(model, checks, 64, mtp=k, invariant=invariant).tokens, plain)
                     for k in (1, 2, 3)}
             row = {"model": label, "kernels": mode, "mtp_equals_greedy_share": same}
             for batch in batches:

@@ -1,13 +1,18 @@
-"""Train the `small` train-tiny preset (~100M parameters, dense) on the GPU, then time greedy decoding with
-MTP speculative decoding (k = 1..3) against without, at batch 1 and 8, with the acceptance measured:
+"""Train a train-tiny preset (`small`: ~100M parameters, dense or MoE) on the GPU, then check and time greedy
+decoding with MTP speculative decoding (k = 1..4) against without, at batch 1 and 8, with the acceptance measured:
 
-    python bench/mtp_decode.py --workdir .bench/mtp --out mtp_decode.json --train-seconds 150
+    python bench/mtp_decode.py --workdir .bench/mtp --out mtp_decode.json --train-seconds 150 [--arch moe] [--w8a8]
 
 Training runs a number of steps that fits --train-seconds, from the time per step of a short calibration
-run (its step count is recorded; `npuport train-tiny --size small --steps N` reproduces the weights).
-Timing follows runtime/validation/throughput.py (no stop tokens, fastest of --repeats after a warm-up). Acceptance is
-measured on --acceptance-prompts GSM8K test prompts (0-shot). The JSON is rewritten after every step, so a
-run cut short still leaves what it measured.
+run (its step count is recorded; `npuport train-tiny --size small --arch ARCH --steps N` reproduces the weights).
+With --w8a8 the trained model is also converted (`npuport convert-qwen35 --a8w8`) and measured the same way.
+
+For each model, with and without captured graphs: plain greedy output and MTP k = 1..4 greedy output on
+--acceptance-prompts GSM8K test prompts (0-shot) x --new-tokens, in each kernel mode (batch-invariant steps -
+the default with MTP - and the fast ones): whether MTP output equals plain greedy output of the same mode and the
+share of equal tokens, with the acceptance. Timing follows runtime/validation/throughput.py (no stop tokens,
+fastest of --repeats after a warm-up), in both modes: the cost of the invariant one. The JSON is rewritten after
+every step, so a run cut short still leaves what it measured.
 """
 
 from __future__ import annotations
@@ -22,7 +27,8 @@ from pathlib import Path
 import torch
 
 from npuport.benchlog import StepRecorder
-from npuport.devices import pick_device
+from npuport.convert.converter import convert_qwen35
+from npuport.devices import graphs_supported, pick_device
 from npuport.fixtures.tiny_checkpoint import write_metadata
 from npuport.fixtures.train_tiny import (
     RECIPES,
@@ -78,6 +84,39 @@ def same_weights_twice(spec: TrainSpec, device: torch.device, workdir: Path) -> 
     return {"identical": shards[0] == shards[1], "warnings": sorted({str(w.message) for w in caught})}
 
 
+def measure_model(model, name: str, prompts: list[list[int]], drafts: list[int], args, step, save,
+                  result: dict) -> None:
+    """The acceptance and MTP-equals-greedy figures of one model in both kernel modes and with and without graphs,
+    then its throughput in both modes."""
+    for invariant in (True, False):
+        mode = "invariant" if invariant else "fast"
+        for graphs in (True, False) if graphs_supported(model.device) else (False,):
+            key = f"{name} {mode}" + ("" if graphs else " no graphs")
+            plain = step(f"{key} k=0", generate, model, prompts, args.new_tokens, invariant=invariant, graphs=graphs)
+            for k in drafts:
+                out = step(f"{key} k={k}", generate, model, prompts, args.new_tokens, mtp=k, invariant=invariant,
+                           graphs=graphs)
+                if out is None or plain is None:
+                    continue
+                stats = out.stats.to_dict()
+                figures = {f: stats[f] for f in ("k", "mean_accepted_length", "acceptance_rate_per_position")}
+                figures["output_equals_plain_greedy"] = out.tokens == plain.tokens
+                figures["token_agreement_with_plain_greedy"] = greedy_token_agreement(out.tokens, plain.tokens)
+                result["acceptance"][f"{key} k={k}"] = figures
+                print(key, figures, flush=True)
+                save()
+    for batch in (int(b) for b in args.batch_sizes.split(",")):
+        for invariant in (False, True):
+            for k in [0, *drafts]:
+                label = f"{name} {'invariant' if invariant else 'fast'}" + ("" if k == 0 else f" + MTP k={k}")
+                run = step(f"{label} batch {batch}", measure_throughput, model, prompts[:batch], args.new_tokens,
+                           mtp=k, label=label, repeats=args.repeats, invariant=invariant)
+                if run is not None:
+                    result["runs"].append(dataclasses.asdict(run))
+                    print(result["runs"][-1], flush=True)
+                    save()
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--workdir", type=Path, required=True, help="A new folder for the checkpoint.")
@@ -86,7 +125,9 @@ def main() -> None:
     parser.add_argument("--train-seconds", type=float, default=150.0, help="Time budget of the training steps.")
     parser.add_argument("--calibration-steps", type=int, default=6)
     parser.add_argument("--batch-sizes", default="1,8")
-    parser.add_argument("--mtp", default="1,2,3", help="Draft tokens per round to time, besides 0.")
+    parser.add_argument("--mtp", default="1,2,3,4", help="Draft tokens per round to check and time, besides 0.")
+    parser.add_argument("--arch", default="dense", choices=["dense", "moe"])
+    parser.add_argument("--w8a8", action="store_true", help="Also convert the trained model and measure the artifact.")
     parser.add_argument("--new-tokens", type=int, default=128)
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--acceptance-prompts", type=int, default=50)
@@ -105,7 +146,7 @@ def main() -> None:
     step, save = recorder.step, recorder.save
 
     args.workdir.mkdir(parents=True, exist_ok=True)
-    spec = TrainSpec(size=args.size)
+    spec = TrainSpec(size=args.size, arch=args.arch)
     per_step = step("calibrate", seconds_per_step, spec, device, args.calibration_steps, args.workdir)
     steps = min(spec.recipe.steps, max(1, int(args.train_seconds / per_step))) if per_step else spec.recipe.steps
     result["seconds_per_step"], result["train_steps"] = per_step, steps
@@ -113,42 +154,29 @@ def main() -> None:
     trained = step("train", train_tiny, args.workdir / "model", spec, str(device), show_progress=False, log=print)
     if trained is None:
         return
-    command = f"npuport train-tiny OUT --size {args.size} --steps {steps} --device {device.type}"
+    command = f"npuport train-tiny OUT --size {args.size} --arch {args.arch} --steps {steps} --device {device.type}"
     result["training"] = {**dataclasses.asdict(dataclasses.replace(trained, out=str(trained.out))),
                           "recipe": dataclasses.asdict(spec.recipe), "command": command}
     save()
 
-    model = step("load", load_model, trained.out, device)
-    if model is None:
-        return
+    models = {"BF16": trained.out}
+    if args.w8a8:
+        artifact = step("convert", convert_qwen35, trained.out, args.workdir / "w8a8", show_progress=False,
+                        log=lambda _: None)
+        if artifact is not None:
+            models["W8A8"] = artifact.out
     tokenizer = load_tokenizer(trained.out)
     prompts = [tokenizer.encode(p) for p in make_protocol("sglang", shots=0).prompts(args.acceptance_prompts)]
     result["prompt_tokens"] = [len(p) for p in prompts]
     drafts = [int(k) for k in args.mtp.split(",")]
-
-    plain = step("acceptance k=0", generate, model, prompts, args.new_tokens)
-    for k in drafts:
-        out = step(f"acceptance k={k}", generate, model, prompts, args.new_tokens, mtp=k)
-        if out is not None:
-            figures = {key: out.stats.to_dict()[key] for key in
-                       ("k", "mean_accepted_length", "acceptance_rate_per_position")}
-            if plain is not None:
-                figures["output_equals_plain_greedy"] = out.tokens == plain.tokens
-                figures["token_agreement_with_plain_greedy"] = greedy_token_agreement(out.tokens, plain.tokens)
-            result["acceptance"][f"k={k}"] = figures
-            save()
-    if plain is not None:
-        result["sample_text"] = tokenizer.decode(plain.tokens[0])
-
-    for batch in (int(b) for b in args.batch_sizes.split(",")):
-        for k in [0, *drafts]:
-            label = "BF16" if k == 0 else f"BF16 + MTP k={k}"
-            run = step(f"{label} batch {batch}", measure_throughput, model, prompts[:batch], args.new_tokens,
-                       mtp=k, label=label, repeats=args.repeats)
-            if run is not None:
-                result["runs"].append(dataclasses.asdict(run))
-                print(result["runs"][-1], flush=True)
-                save()
+    for name, path in models.items():
+        model = step(f"load {name}", load_model, path, device)
+        if model is not None:
+            measure_model(model, name, prompts, drafts, args, step, save, result)
+            if name == "BF16":
+                plain = generate(model, prompts[:1], args.new_tokens, invariant=True)
+                result["sample_text"] = tokenizer.decode(plain.tokens[0])
+            del model
 
     if args.determinism_steps:
         twice = dataclasses.replace(spec, steps=args.determinism_steps)

@@ -65,16 +65,18 @@ LOG2E = math.log2(math.e)
 
 
 def decode_attention(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, start: torch.Tensor,
-                     gate: torch.Tensor | None = None) -> torch.Tensor:
+                     gate: torch.Tensor | None = None, plan_tokens: int | None = None) -> torch.Tensor:
     """Causal GQA attention of a decode / verify step over a whole static cache, optionally gated.
 
     q [B, T, Hq, D] (last dim contiguous, other strides free) at positions start[b] + t; keys, values [B, S, Hkv, D],
     position s at index s; start [B] int64. Query t of request b sees the keys at positions 0..start[b] + t; query
     head h reads kv head h // (Hq // Hkv); scale D ** -0.5; the softmax in fp32. gate: None or [B, T, Hq, D] laid out
     as q; given, the result is attention * sigmoid(gate) as PyTorch computes it in q's dtype. Returns a contiguous
-    [B, T, Hq, D] in q's dtype."""
-    if use_triton(q, keys, values) and q.shape[1] <= MAX_TOKENS and q.shape[-1] <= MAX_HEAD_DIM:
-        return decode_attention_triton(q, keys, values, start, gate)
+    [B, T, Hq, D] in q's dtype. plan_tokens: the query tile of a step of that many tokens, whatever T is
+    (batch-invariant steps: a decode step's products then take a verify step's tensor-core instructions)."""
+    if use_triton(q, keys, values) and max(q.shape[1], plan_tokens or 0) <= MAX_TOKENS \
+            and q.shape[-1] <= MAX_HEAD_DIM:
+        return decode_attention_triton(q, keys, values, start, gate, plan_tokens=plan_tokens)
     return decode_attention_reference(q, keys, values, start, gate)
 
 
@@ -231,9 +233,10 @@ def split_warps(rows: int) -> int:
 
 def decode_attention_triton(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, start: torch.Tensor,
                             gate: torch.Tensor | None = None, *, split: int = SPLIT,
-                            block_n: int | None = None) -> torch.Tensor:
+                            block_n: int | None = None, plan_tokens: int | None = None) -> torch.Tensor:
     """The Triton kernels behind decode_attention (any device; CPU tensors run in Triton's interpreter). split and
-    block_n (powers of 2, 16 <= block_n <= 128 dividing split) override SPLIT and the cache's block_keys, for tests."""
+    block_n (powers of 2, 16 <= block_n <= 128 dividing split) override SPLIT and the cache's block_keys, for tests;
+    plan_tokens: decode_attention's."""
     b, t, hq, d = q.shape
     s, hkv = keys.shape[1], keys.shape[2]
     block_n = block_keys(keys.dtype) if block_n is None else block_n
@@ -249,7 +252,7 @@ def decode_attention_triton(q: torch.Tensor, keys: torch.Tensor, values: torch.T
     acc_ws = torch.empty((b, t, hq, n_splits, d), dtype=torch.float32, device=q.device)
     out = torch.empty((b, t, hq, d), dtype=q.dtype, device=q.device)
     block_d = max(16, next_power_of_2(d))
-    rows = max(16, next_power_of_2(group * t))
+    rows = max(16, next_power_of_2(group * max(t, plan_tokens or t)))
     sum_scale = 2 ** (31 - block_n.bit_length())  # block_n weights of at most sum_scale each stay under 2^31
     launch(_split_kernel, (b * hkv, n_splits), q, keys, values, start, m_ws, l_ws, acc_ws, t, hq, hkv, s, n_splits,
            q.stride(0), q.stride(1), q.stride(2), keys.stride(0), keys.stride(1), keys.stride(2), values.stride(0),

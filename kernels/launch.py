@@ -57,12 +57,15 @@ def persistent_grid(device: torch.device, n_tasks: int, kind: str = "vector") ->
 
 
 def launch_options(device: torch.device, num_warps: int, num_stages: int = 2, npu: dict | None = None,
-                   dependent: bool = False) -> dict:
+                   dependent: bool = False, contract: bool = True) -> dict:
     """Backend-specific launch options, the only place they are chosen: num_warps / num_stages on a GPU (and
-    with `dependent`, a programmatic dependent launch: see dependent_launch), the given triton-ascend options
-    (e.g. multibuffer) on an NPU, none for the interpreter."""
+    with `dependent`, a programmatic dependent launch: see dependent_launch; with contract=False, no multiply and
+    add fused into an fma by the compiler - each rounds on its own, tl.fma still fuses - for kernels whose bits
+    must not follow how the compiler treats each specialisation), the given triton-ascend options (e.g.
+    multibuffer) on an NPU, none for the interpreter."""
     if is_gpu(device):
-        return {"num_warps": num_warps, "num_stages": num_stages} | ({"launch_pdl": True} if dependent else {})
+        return ({"num_warps": num_warps, "num_stages": num_stages} | ({"launch_pdl": True} if dependent else {})
+                | ({} if contract else {"enable_fp_fusion": False}))
     if is_npu(device):
         return dict(npu or {})
     return {}

@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import torch
 
-from npuport.devices import is_gpu
 from npuport.kernels.launch import (
     jit,
     launch,
@@ -181,7 +180,7 @@ def inverse_rms(total, N: tl.constexpr, eps):
 def exact_launch_options(device: torch.device, num_warps: int) -> dict:
     """launch_options for the bit-exact kernels: on a GPU, without fusing a multiply and an add into an fma
     (the references round the product first)."""
-    return launch_options(device, num_warps=num_warps) | ({"enable_fp_fusion": False} if is_gpu(device) else {})
+    return launch_options(device, num_warps=num_warps, contract=False)
 
 
 def add_rms_norm_triton(

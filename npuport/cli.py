@@ -78,10 +78,12 @@ devices_option = click.option(
          "heads and channels (tensor parallel), the routed experts by expert (expert parallel, tokens dispatched "
          "as BF16 or int8 per layer). Rank 0 reads the inputs and writes the outputs. Under torchrun, not needed.")
 invariant_option = click.option(
-    "--batch-invariant", is_flag=True,
+    "--batch-invariant/--no-batch-invariant", default=None,
     help="GPU/NPU: decode and verify steps on kernels whose rows do not depend on the batch (invariant GEMMs for "
-         "the float linear layers and the lm_head, MoE paths fixed per call), so that a verify step rounds as "
-         "decode steps do. Experimental: not yet shown to keep greedy MTP output at real widths.")
+         "the float linear layers and the lm_head; MoE, attention and GDN kernels launched for the largest verify "
+         "step), so that a verify step rounds as decode steps do and greedy MTP output is greedy output. Default: "
+         "on with --mtp on one device, off otherwise; --no-batch-invariant for speed (bench/RESULTS.md has the "
+         "cost).")
 dtype_option = click.option("--dtype", type=click.Choice(["bfloat16", "float16", "float32", "float64"]),
                             default="bfloat16", show_default=True)
 
@@ -262,7 +264,7 @@ def verify_release_cmd(release: Path) -> None:
 @click.option("--json", "as_json", is_flag=True, help="Print token ids, text and acceptance statistics as JSON.")
 def generate_cmd(model: Path, texts: tuple[str, ...], id_prompts: tuple[str, ...], max_new_tokens: int, mtp: int,
                  temperature: float, top_p: float, seed: int, device: str | None, devices: int, dtype: str,
-                 batch_invariant: bool, as_json: bool) -> None:
+                 batch_invariant: bool | None, as_json: bool) -> None:
     """Generate from MODEL (a BF16 source or a W8A8 artifact) with the built-in runtime."""
     import json
 
@@ -347,8 +349,8 @@ def validate_cmd(artifact: Path, gsm8k: bool, protocol: str, data: Path | None, 
                  endpoint: str | None, endpoint_model: str | None, reference_endpoint: str | None,
                  reference_endpoint_model: str | None, fidelity_top_k: int, parallel: int, timeout_s: float,
                  retries: int,
-                 device: str | None, devices: int, dtype: str, batch_invariant: bool, fidelity_questions: int | None,
-                 throughput: bool,
+                 device: str | None, devices: int, dtype: str, batch_invariant: bool | None,
+                 fidelity_questions: int | None, throughput: bool,
                  max_accuracy_drop: float, min_acceptance: float | None, chat_template_kwargs: str | None,
                  out: Path | None) -> None:
     """Validate the W8A8 ARTIFACT: GSM8K accuracy, and with --reference (or --reference-endpoint) the paired

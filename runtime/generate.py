@@ -415,14 +415,20 @@ def use_graphs(model: Qwen35, graphs: bool | None) -> bool:
     return graphs
 
 
-def use_invariance(model: Qwen35, invariant: bool | None) -> bool:
+def use_invariance(model: Qwen35, invariant: bool | None, mtp: int = 0) -> bool:
     """Batch-invariant steps (runtime/invariance.py): as asked; else as the model was set up
-    (Qwen35.batch_invariant); else off. Only where the Triton kernels run does it change anything that is not
-    already invariant (on CPU the references are exact in float32 / float64). Off by default until the GPU
-    proves greedy MTP == greedy with it at real widths (bench/invariance.py; bench/RESULTS.md)."""
+    (Qwen35.batch_invariant); else on with MTP (mtp > 0: a verify step then rounds as the decode steps it stands
+    for, so greedy MTP output is greedy output - to compare the two, give the plain call invariant=True too), off
+    without, and off on several devices (their expert-parallel exchange sizes its kernels by the step: not shown
+    invariant yet). Only where the Triton kernels run, GPU or NPU: elsewhere the references run, which the setting
+    does not change (exact enough in float32 / float64 on CPU)."""
+    if not runs_triton(model.device):
+        return False
     if invariant is not None:
-        return invariant and runs_triton(model.device)
-    return bool(model.batch_invariant) and runs_triton(model.device)
+        return invariant
+    if model.batch_invariant is not None:
+        return model.batch_invariant
+    return mtp > 0 and not model.parallel.active
 
 
 # Capacities are rounded up to this many positions, so that calls with prompts of other lengths find the same
@@ -497,7 +503,7 @@ def generate(model: Qwen35, prompts: Sequence[Sequence[int]], max_new_tokens: in
     graphs = use_graphs(model, graphs)
     generator = make_generator(sampling.seed, device)
     # planned for the longest verify step any k could make: a plain and a speculative call take the same paths
-    rows = batch * (MAX_DRAFTS + 1) if use_invariance(model, invariant) else None
+    rows = batch * (MAX_DRAFTS + 1) if use_invariance(model, invariant, mtp) else None
     capacity = tokens.shape[1] + max(limits) + mtp + 1
     out = _Outputs(limits, stop_tokens, should_stop, on_tokens)
     with reusable_steps(model, batch, capacity, mtp, graphs, rows) as steps, batch_invariant(rows):

@@ -1,14 +1,17 @@
-"""Batch-invariant decoding: inside `batch_invariant(rows)`, decode and verify steps are meant to compute each
-token's row with an order of operations that does not depend on how many rows the step has - so that a verify of
-k + 1 tokens per request gives the bits k + 1 single-token decode steps give, and greedy speculative decoding the
-tokens of greedy decoding. Off by default (`--batch-invariant`): the GPU has shown its kernels invariant
-(tests/test_kernels_on_gpu.py), not yet the whole model at real widths (bench/RESULTS.md).
+"""Batch-invariant decoding: inside `batch_invariant(rows)`, decode and verify steps compute each token's row with
+an order of operations that does not depend on how many rows the step has - so that a verify of k + 1 tokens per
+request gives the bits k + 1 single-token decode steps give, and greedy speculative decoding the tokens of greedy
+decoding. On by default with MTP on one GPU / NPU (generate.use_invariance; `--no-batch-invariant` for speed):
+shown on an H200 for trained small models and at 35B-A3B and 122B-A10B widths (tests/test_kernels_on_gpu.py,
+bench/invariance.py, bench/invariance_bisect.py, bench/mtp_decode.py; figures and cost in bench/RESULTS.md).
 
-Most kernels are row-independent already (norms, rope, decode attention, the GDN recurrence, the W8A8 GEMM's exact
-int32 sums); what the setting changes: float linear layers and the lm_head run kernels/invariant_linear.py instead
-of the vendor GEMM, and the MoE layers choose their expert path and tiles by `rows`, the largest step of the call,
-instead of by the step's own size. Prefill is not a step and runs the fast kernels (Qwen35.forward suspends the
-setting). A context setting of the current thread or task, read by the layers on every call (and at capture).
+Most kernels are row-independent already (norms, rope, the W8A8 GEMM's exact int32 sums); what the setting
+changes: float linear layers and the lm_head run kernels/invariant_linear.py instead of the vendor GEMM, the MoE
+layers choose their expert path and tiles by `rows`, the largest step of the call, instead of by the step's own
+size, and decode attention and the GDN recurrence launch every step as the largest verify step (a decode step's
+query tile, and the order in which a state column is summed, then those of a verify step). Prefill is not a step
+and runs the fast kernels (Qwen35.forward suspends the setting). A context setting of the current thread or task,
+read by the layers on every call (and at capture).
 """
 
 from __future__ import annotations
@@ -25,6 +28,11 @@ class Invariance:
     drafts (batch x (MAX_DRAFTS + 1)): plain and speculative calls then plan the same kernels."""
 
     rows: int
+
+    def tokens_per_request(self, batch: int) -> int:
+        """The most tokens a step could give each of `batch` requests: what the attention and GDN kernels plan for
+        (their tiles follow the tokens per request, the MoE's the tokens of the step)."""
+        return max(1, self.rows // batch)
 
 
 _current: contextvars.ContextVar[Invariance | None] = contextvars.ContextVar("npuport_invariance", default=None)

@@ -67,6 +67,13 @@ def rope_tables(positions: torch.Tensor, config: ModelConfig, dtype: torch.dtype
     return angles.cos().to(dtype), angles.sin().to(dtype)
 
 
+def planned_tokens(batch: int) -> int | None:
+    """Inside batch_invariant(): the tokens per request that a decode / verify step's attention and GDN kernels
+    plan for, so that every step launches as the largest verify step; else None (each step its own size)."""
+    invariance = current_invariance()
+    return None if invariance is None else invariance.tokens_per_request(batch)
+
+
 class RMSNorm(nn.Module):
     """y = x * rsqrt(mean(x^2) + eps) * (1 + w), in fp32 (the weight starts at zero)."""
 
@@ -141,7 +148,7 @@ class Attention(nn.Module):
         v = v.view(b, t, self.n_kv_heads, self.head_dim)
         if step.static_shapes:  # a decode / verify step, without a host sync: the whole caches, the gate fused
             write_kv(cache.k, cache.v, step.start, k, v)
-            out = decode_attention(q, cache.k, cache.v, step.start, gate).reshape(b, t, -1)
+            out = decode_attention(q, cache.k, cache.v, step.start, gate, planned_tokens(b)).reshape(b, t, -1)
             return row_parallel(self.o_proj, out, self.parallel)
         keys, values = cache.update(step.start, k, v)
         out = attend(q, keys, values, step.start).reshape(b, t, -1)
@@ -197,7 +204,8 @@ class GatedDeltaNet(nn.Module):
         if step.n_valid is None:
             # The gating is fused into the recurrent kernel: a and b go in raw.
             out = fused_recurrent_gated_delta_rule(q, k, v, a, b_logits, state.recurrent, state.log,
-                                                   A_log=self.A_log, dt_bias=self.dt_bias)
+                                                   A_log=self.A_log, dt_bias=self.dt_bias,
+                                                   plan_tokens=planned_tokens(b))
             state.staged = t
         else:
             g, beta = fused_gdn_gating(self.A_log, a, self.dt_bias, b_logits)

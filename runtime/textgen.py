@@ -51,7 +51,7 @@ def stop_token_ids(model_dir: Path) -> list[int]:
 
 
 def run_generate(model_dir: Path, texts: Sequence[str], id_prompts: Sequence[str], max_new_tokens: int, mtp: int,
-                 sampling: SamplingParams, device: str | None, dtype: str, batch_invariant: bool = False) -> dict:
+                 sampling: SamplingParams, device: str | None, dtype: str, batch_invariant: bool | None = None) -> dict:
     """Generate for every --prompt and --prompt-ids; returns the report `npuport generate --json` prints."""
     model_dir = Path(model_dir)
     if dtype not in DTYPES:
@@ -63,7 +63,7 @@ def run_generate(model_dir: Path, texts: Sequence[str], id_prompts: Sequence[str
         raise NpuportError(f"{model_dir} has no tokenizer; use --prompt-ids")
     prompts = [tokenizer.encode(t) for t in texts] + [parse_prompt_ids(s) for s in id_prompts]
     model = load_model(model_dir, pick_device(device), DTYPES[dtype])
-    invariant = use_invariance(model, batch_invariant)
+    invariant = use_invariance(model, batch_invariant, mtp)
     result = generate(model, prompts, max_new_tokens, mtp=mtp, sampling=sampling,
                       stop_tokens=stop_token_ids(model_dir), invariant=invariant)
     requests = []

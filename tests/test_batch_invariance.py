@@ -67,3 +67,50 @@ def test_moe_steps_take_the_path_and_tiles_of_the_largest_planned_step(monkeypat
         fused_experts_triton(x, random_experts(16, False, seed=5), weights, ids, plan_tokens=plan)
     want = {None: few_tokens_config(8), 12: few_tokens_config(96), 17: grouped_config(136, 16, x.device)}[plan]
     assert seen == [want]
+
+
+def test_invariance_is_on_by_default_with_mtp_where_the_triton_kernels_run(monkeypatch, tiny_checkpoints):
+    import npuport.runtime.generate as generate_module
+    from npuport.runtime.generate import use_invariance
+    from npuport.runtime.loader import load_model
+
+    model = load_model(tiny_checkpoints["dense-text"], "cpu", torch.float32)
+    assert not any(use_invariance(model, asked, mtp) for asked in (None, True, False) for mtp in (0, 2))
+    monkeypatch.setattr(generate_module, "runs_triton", lambda device: True)
+    assert [use_invariance(model, None, mtp) for mtp in (0, 1, 4)] == [False, True, True]
+    assert use_invariance(model, True, 0) and not use_invariance(model, False, 3)
+    model.batch_invariant = False
+    assert not use_invariance(model, None, 2) and use_invariance(model, True, 2)
+    model.batch_invariant = None
+    monkeypatch.setattr(type(model.parallel), "active", property(lambda self: True))  # as on several devices
+    assert not use_invariance(model, None, 2) and use_invariance(model, True, 2)
+
+
+def test_verify_steps_give_the_bits_of_decode_steps_in_bf16_on_the_kernels(monkeypatch, tiny_checkpoints,
+                                                                            one_cpu_thread):
+    """BF16 on CPU with the kernels of a GPU / NPU (Triton's interpreter), as batch-invariant steps run them: a
+    verify step of 2 tokens gives its first row's logits the bits of the decode step of that row, and after keeping
+    that token (replayed into the GDN states by the next step) the next step's logits are those of a state that
+    decoded it. The prompt is prefilled on the references (a prefill is no step). Each interpreted step takes ~6 s:
+    hence one request and one kept token; the GPU test covers more (test_kernels_on_gpu.py)."""
+    from npuport.runtime.generate import pad_prompts, prefill
+    from npuport.runtime.loader import load_model
+    from npuport.runtime.state import commit_accepted
+
+    model = load_model(tiny_checkpoints["moe-multimodal-fused"], "cpu", torch.bfloat16)
+    tokens, lengths = pad_prompts([[1000, 3, 77, 640, 12, 18, 901, 5]], model.device)
+    plain, spec = model.new_state(1, 32), model.new_state(1, 32, 1)
+    for state in (plain, spec):
+        prefill(model, state, tokens, lengths)
+    monkeypatch.setattr(launch_module, "runs_triton", lambda device: True)
+    drafts, following = torch.tensor([[5, 6]]), torch.tensor([[11]])
+
+    def step(state, tok, keep):
+        logits = model.logits(model(tok, state))
+        commit_accepted(state, torch.full((1,), keep))
+        return logits
+
+    with batch_invariant(5):
+        verified = step(spec, drafts, 1)
+        assert torch.equal(verified[:, :1], step(plain, drafts[:, :1], 1))
+        assert torch.equal(step(spec, following, 1), step(plain, following, 1))

@@ -40,8 +40,9 @@ def step_inputs(gen: torch.Generator, b: int, t: int, hq: int, hkv: int, d: int,
     return q, gate, keys, values
 
 
-def triton_attention(q, keys, values, start, gate=None) -> torch.Tensor:
-    return decode_attention_triton(q, keys, values, start, gate, split=SPLIT, block_n=BLOCK_N)
+def triton_attention(q, keys, values, start, gate=None, plan_tokens=None) -> torch.Tensor:
+    return decode_attention_triton(q, keys, values, start, gate, split=SPLIT, block_n=BLOCK_N,
+                                   plan_tokens=plan_tokens)
 
 
 def naive_attention(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, start: torch.Tensor) -> torch.Tensor:
@@ -185,7 +186,7 @@ def test_the_dispatcher_takes_the_kernel_for_decode_steps_except_in_float64(monk
     monkeypatch.setattr(launch_module, "runs_triton", lambda device: True)
     calls = []
     monkeypatch.setattr(attention_module, "decode_attention_triton",
-                        lambda *args: calls.append(args) or triton_attention(*args))
+                        lambda *args, **kw: calls.append(args) or triton_attention(*args, **kw))
     gen = torch.Generator().manual_seed(9)
     start = torch.tensor([3, 40])
     q, gate, keys, values = step_inputs(gen, len(start), t, 4, 2, 32, dtype)

@@ -287,10 +287,11 @@ def test_fused_moe_at_real_sizes_and_in_a_graph(quantized, m):
                                   "moe-multimodal-fused", "w8a8:moe-text-per-expert"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_greedy_mtp_output_equals_greedy_output_on_gpu(kind, dtype, tiny_checkpoints, tiny_artifacts):
+    """MTP calls take batch-invariant steps by default; a plain call asked for them gives the same tokens."""
     path = tiny_artifacts[kind[5:]] if kind.startswith("w8a8:") else tiny_checkpoints[kind]
     model = load_model(path, CUDA, dtype)
-    plain = generate(model, PROMPTS, 40)
-    assert plain.tokens == generate(model, PROMPTS, 40, graphs=False).tokens  # graphs replay the same steps
+    plain = generate(model, PROMPTS, 40, invariant=True)
+    assert plain.tokens == generate(model, PROMPTS, 40, invariant=True, graphs=False).tokens  # graphs: same steps
     for k in (1, 3):
         spec = generate(model, PROMPTS, 40, mtp=k)
         assert spec.tokens == plain.tokens, f"mtp={k}"
@@ -369,7 +370,41 @@ def test_whole_step_graphs_stop_as_eager_steps_do(tiny_checkpoints):
             assert (got.tokens, got.finish_reasons) == (want.tokens, want.finish_reasons), (k, max_new)
 
 
-@pytest.mark.parametrize("heads", [(16, 2), (24, 4)], ids=["35B-A3B", "27B"])
+@pytest.mark.parametrize("batch", [1, 8, 40])
+def test_verify_steps_keep_the_bits_of_decode_steps_at_real_head_counts(batch):
+    """35B-A3B's GDN heads (H = 16, HV = 32): verify steps that keep some of their tokens, the kept ones replayed
+    by the next step, give the outputs and leave the states of decode steps over the same tokens, bit for bit,
+    at 32, 256 and 1280 (request, head) pairs (one-pass, sequential, and - for decode alone - wider tiles)
+    launched as batch-invariant steps launch them. Before the state update was one explicit fma, the compiler
+    contracted a decode step's and a replay's differently at 256 pairs."""
+    hv, plan = 32, 5
+    gen = torch.Generator(CUDA).manual_seed(batch)
+    n = 10
+    q, k = (torch.randn(batch, n, H, K, device=CUDA, generator=gen).bfloat16() for _ in range(2))
+    v = torch.randn(batch, n, hv, V, device=CUDA, generator=gen).bfloat16()
+    a, b_logits = (torch.randn(batch, n, hv, device=CUDA, generator=gen).bfloat16() for _ in range(2))
+    a_log, dt_bias = torch.randn(hv, device=CUDA, generator=gen), torch.randn(hv, device=CUDA, generator=gen)
+    s0 = 0.1 * torch.randn(batch, hv, K, V, device=CUDA, generator=gen)
+
+    def run(cut, state, log):
+        return fused_recurrent_gated_delta_rule(q[:, cut], k[:, cut], v[:, cut], a[:, cut], b_logits[:, cut], state,
+                                                log, A_log=a_log, dt_bias=dt_bias, plan_tokens=plan)
+
+    decoded_state = s0.clone()
+    decoded = torch.cat([run(slice(i, i + 1), decoded_state, None) for i in range(n - 1)], dim=1)
+    state, log = s0.clone(), VerifyLog.empty(batch, plan, H, hv, K, V, torch.float32, CUDA)
+    start = 0
+    for size, kept in ((4, 2), (5, 5), (3, 1), (1, 1)):  # steps of `size` tokens keeping the first `kept`
+        out = run(slice(start, start + size), state, log)
+        assert torch.equal(out[:, :kept], decoded[:, start : start + kept]), (size, kept)
+        log.keep(torch.full((batch,), kept, device=CUDA))
+        start += kept
+    assert start == n - 1
+    run(slice(start, start + 1), state, log)  # stores the replayed state before its own token
+    assert torch.equal(state, decoded_state)
+
+
+@pytest.mark.parametrize("heads", [(16, 2), (24, 4), (32, 2)], ids=["35B-A3B", "27B", "122B-A10B"])
 @pytest.mark.parametrize("t", [1, 4])
 def test_decode_attention_at_real_sizes(heads, t):
     """Head counts of the published models, head_dim 256, a 1280-position cache: the kernel against the PyTorch
@@ -386,6 +421,12 @@ def test_decode_attention_at_real_sizes(heads, t):
     assert rel(got, decode_attention_reference(q, keys, values, start, gate)) < 1e-2
     assert torch.equal(decode_attention(q[1:2], keys[1:2], values[1:2], start[1:2], gate[1:2]), got[1:2])
     assert torch.equal(decode_attention(q[:, :1], keys, values, start, gate[:, :1]), got[:, :1])
+    # launched as batch-invariant steps launch them (a query tile of 5 tokens): a verify of 5 tokens too
+    longer = torch.randn(b, 5, hq, 2 * d, generator=gen, device=CUDA).bfloat16()
+    longer[:, :t] = q_gate
+    verify = decode_attention(longer[..., :d], keys, values, start.clamp_max(s - 5), longer[..., d:], plan_tokens=5)
+    step = decode_attention(q[:, :1], keys, values, start.clamp_max(s - 5), gate[:, :1], plan_tokens=5)
+    assert torch.equal(verify[:, :1], step)
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])

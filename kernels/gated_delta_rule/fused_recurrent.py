@@ -24,6 +24,7 @@ def fused_recurrent_gated_delta_rule(
     use_qk_l2norm: bool = True,
     A_log: torch.Tensor | None = None,
     dt_bias: torch.Tensor | None = None,
+    plan_tokens: int | None = None,
 ) -> torch.Tensor:
     """Decode / verify of T tokens over state [B, HV, K, V] fp32, updated in place. Returns o [B, T, HV, V].
 
@@ -31,9 +32,12 @@ def fused_recurrent_gated_delta_rule(
     pending entries of the previous step are replayed into the state first, which is stored, and the T
     tokens' updates are recorded in the log instead (VerifyLog). With A_log and dt_bias [HV] given, g and
     beta are the raw in_proj_a / in_proj_b outputs [B, T, HV] and the gating (gdn_gating.fused_gdn_gating)
-    is computed inside."""
+    is computed inside. plan_tokens: launch as for steps of that many tokens, whatever T is (batch-invariant
+    steps: a decode step then sums each state column in a verify step's order); default T."""
     if use_triton(q, k, v):
-        return fused_recurrent_gated_delta_rule_triton(q, k, v, g, beta, state, log, use_qk_l2norm, A_log, dt_bias)
+        config = None if plan_tokens is None else recurrent_config(q.shape[0] * v.shape[2], plan_tokens)
+        return fused_recurrent_gated_delta_rule_triton(q, k, v, g, beta, state, log, use_qk_l2norm, A_log, dt_bias,
+                                                       config)
     return fused_recurrent_gated_delta_rule_reference(q, k, v, g, beta, state, log, use_qk_l2norm, A_log, dt_bias)
 
 
@@ -103,8 +107,13 @@ def _recurrent_kernel(q, k, v, g, beta, A_log, dt_bias, state, log_keys, log_dec
                 k_j = tl.load(log_keys + (row * H + key_head) * K + keys, mask=key_ok, other=0.0)
                 u_j = tl.load(log_writes + (row * HV + head) * V + vals, mask=val_ok, other=0.0)
                 decay_j = tl.exp(tl.load(log_decay + row * HV + head))
-                s = s * tl.where(kept, decay_j, 1.0)  # x 1 and + 0 past the kept entries: exactly s
-                s = s + tl.where(kept, k_j, 0.0)[:, None] * tl.where(kept, u_j, 0.0)[None, :]
+                # x 1 and + 0 past the kept entries: exactly s. The update is the decode step's below, the same
+                # explicit fma, and the kernel is compiled without contraction (launch_options' contract): left to
+                # the compiler, a decode step's and a verify step's specialisations rounded differently, and the
+                # state a verify step kept differed in its last bits from the one decode steps left (H200, bf16
+                # inputs, the sequential products)
+                s = tl.fma(tl.where(kept, k_j, 0.0)[:, None], tl.where(kept, u_j, 0.0)[None, :],
+                           s * tl.where(kept, decay_j, 1.0))
             if n_pending > 0:
                 tl.store(state_at, s, mask=tile_ok)
         if GATING:
@@ -133,12 +142,11 @@ def _recurrent_kernel(q, k, v, g, beta, A_log, dt_bias, state, log_keys, log_dec
                 s_q = tl.sum(s * q_t[:, None], 0)
                 u = beta_t * (v_t - decay * s_k)
                 o_t = decay * s_q + tl.sum(k_t * q_t, 0) * u
-                s = s * decay  # the same two steps as the replay above: the same state, bit for bit
-                s = s + k_t[:, None] * u[None, :]
+                s = tl.fma(k_t[:, None], u[None, :], s * decay)  # the replay's update above, bit for bit
             else:
                 s = s * decay
                 u = beta_t * (v_t - tl.sum(s * k_t[:, None], 0))
-                s = s + k_t[:, None] * u[None, :]
+                s = tl.fma(k_t[:, None], u[None, :], s)  # the replay's update above, bit for bit
                 o_t = tl.sum(s * q_t[:, None], 0)
             tl.store(out + b * so_b + t * so_t + head * so_h + vals, o_t.to(out.dtype.element_ty), mask=val_ok)
             if LOG:
@@ -217,5 +225,5 @@ def fused_recurrent_gated_delta_rule_triton(
            k.stride(1), k.stride(2), v.stride(0), v.stride(1), v.stride(2), g.stride(0), g.stride(1), out.stride(0),
            out.stride(1), out.stride(2), S=slots, K=kd, V=vd, BK=max(16, next_power_of_2(kd)), BV=bv,
            L2NORM=use_qk_l2norm, GATING=A_log is not None, LOG=log is not None, ONE_PASS=cfg.one_pass,
-           **launch_options(v.device, num_warps=cfg.num_warps, num_stages=cfg.num_stages))
+           **launch_options(v.device, num_warps=cfg.num_warps, num_stages=cfg.num_stages, contract=False))
     return out

@@ -115,7 +115,8 @@ class RuntimeCompletions:
         self.batch_size = batch_size
         self.mtp = mtp
         self.context_tokens = context_tokens
-        self.invariant = use_invariance(model, invariant)  # resolved once: every rank of a split model is told
+        # resolved once, for calls with and without MTP alike (their outputs compare); every rank is told
+        self.invariant = use_invariance(model, invariant, mtp)
         # transformers' tokenizers are not safe to call from several threads at once (a server's request threads)
         self._tokenizer_lock = threading.Lock()
 

@@ -97,7 +97,8 @@ class ValidateOptions:
     max_accuracy_drop: float | None = DEFAULT_MAX_ACCURACY_DROP  # None: no accuracy gate
     min_acceptance: float | None = None
     chat_template_kwargs: dict[str, Any] = field(default_factory=dict)
-    batch_invariant: bool = False  # decode / verify steps on the batch-invariant kernels (runtime/invariance.py)
+    # decode / verify steps on the batch-invariant kernels (runtime/invariance.py); None: on with MTP
+    batch_invariant: bool | None = None
     reference_endpoint: str | None = None  # the reference on a server instead of `reference` in the runtime
     reference_endpoint_model: str | None = None  # None: the one model the server lists
     fidelity_top_k: int = DEFAULT_TOP_K  # log-probabilities per position asked of a server for fidelity
@@ -384,9 +385,10 @@ def run_validation(options: ValidateOptions, out_dir: Path | str, log: Log = pri
     device_text = describe_device(device)
     if local:
         settings["kernels"] = (
-            "batch-invariant decode and verify steps (--batch-invariant: invariant GEMMs for the float linear "
-            "layers and the lm_head, MoE paths fixed per call)" if candidate.invariant
-            else "default (vendor GEMMs in decode and verify steps)")
+            "batch-invariant decode and verify steps (invariant GEMMs for the float linear layers and the lm_head, "
+            "MoE, attention and GDN launched for the largest verify step): MTP keeps greedy output"
+            if candidate.invariant else "fast (vendor GEMMs and tiles by step size in decode and verify steps"
+            + ("; MTP may change greedy output: --batch-invariant)" if opts.mtp else ")"))
     if local and candidate.model.parallel.active:
         device_text += f" x {candidate.model.parallel.world} (tensor + expert parallel)"
     if not local:
