@@ -28,7 +28,7 @@ import torch
 import npuport.runtime.model as model_module
 from npuport.convert.converter import convert_qwen35
 from npuport.fixtures.tiny_checkpoint import TinySpec, like_spec, make_tiny
-from npuport.runtime.generate import MAX_DRAFTS, generate, pad_prompts, prefill
+from npuport.runtime.generate import generate, pad_prompts, planned_rows, prefill
 from npuport.runtime.invariance import batch_invariant
 from npuport.runtime.loader import load_model
 from npuport.runtime.model import Qwen35
@@ -146,7 +146,7 @@ def bisect(model: Qwen35, recorder: Recorder, prompts: list[list[int]], k: int, 
     plain, spec = model.new_state(batch, capacity), model.new_state(batch, capacity, k)
     prefills = [prefill(model, state, tokens, lengths) for state in (plain, spec)]
     gen = torch.Generator().manual_seed(seed)
-    rows = batch * (MAX_DRAFTS + 1) if invariant else None
+    rows = planned_rows(batch) if invariant else None
     result = {"batch": batch, "k": k, "prefill_equal": torch.equal(*prefills), "rounds": []}
 
     def step(state, tok):

@@ -85,14 +85,17 @@ def same_weights_twice(spec: TrainSpec, device: torch.device, workdir: Path) -> 
 
 
 def measure_model(model, name: str, prompts: list[list[int]], drafts: list[int], args, step, save,
-                  result: dict) -> None:
+                  result: dict) -> list[list[int]] | None:
     """The acceptance and MTP-equals-greedy figures of one model in both kernel modes and with and without graphs,
-    then its throughput in both modes."""
+    then its throughput in both modes. Returns the plain greedy tokens of the first mode measured (None: failed)."""
+    first_plain = None
     for invariant in (True, False):
         mode = "invariant" if invariant else "fast"
         for graphs in (True, False) if graphs_supported(model.device) else (False,):
             key = f"{name} {mode}" + ("" if graphs else " no graphs")
             plain = step(f"{key} k=0", generate, model, prompts, args.new_tokens, invariant=invariant, graphs=graphs)
+            if first_plain is None and plain is not None:
+                first_plain = plain.tokens
             for k in drafts:
                 out = step(f"{key} k={k}", generate, model, prompts, args.new_tokens, mtp=k, invariant=invariant,
                            graphs=graphs)
@@ -115,6 +118,7 @@ def measure_model(model, name: str, prompts: list[list[int]], drafts: list[int],
                     result["runs"].append(dataclasses.asdict(run))
                     print(result["runs"][-1], flush=True)
                     save()
+    return first_plain
 
 
 def main() -> None:
@@ -172,10 +176,10 @@ def main() -> None:
     for name, path in models.items():
         model = step(f"load {name}", load_model, path, device)
         if model is not None:
-            measure_model(model, name, prompts, drafts, args, step, save, result)
-            if name == "BF16":
-                plain = generate(model, prompts[:1], args.new_tokens, invariant=True)
-                result["sample_text"] = tokenizer.decode(plain.tokens[0])
+            plain = measure_model(model, name, prompts, drafts, args, step, save, result)
+            if name == "BF16" and plain is not None:
+                result["sample_text"] = tokenizer.decode(plain[0])
+                save()
             del model
 
     if args.determinism_steps:

@@ -431,6 +431,12 @@ def use_invariance(model: Qwen35, invariant: bool | None, mtp: int = 0) -> bool:
     return mtp > 0 and not model.parallel.active
 
 
+def planned_rows(batch: int) -> int:
+    """The rows batch-invariant steps of a call of `batch` requests are planned for (runtime/invariance.py): the
+    longest verify step any k could make, so that a plain and a speculative call take the same paths."""
+    return batch * (MAX_DRAFTS + 1)
+
+
 # Capacities are rounded up to this many positions, so that calls with prompts of other lengths find the same
 # states and captured steps.
 CAPACITY_STEP = 256
@@ -502,8 +508,7 @@ def generate(model: Qwen35, prompts: Sequence[Sequence[int]], max_new_tokens: in
     batch = len(prompts)
     graphs = use_graphs(model, graphs)
     generator = make_generator(sampling.seed, device)
-    # planned for the longest verify step any k could make: a plain and a speculative call take the same paths
-    rows = batch * (MAX_DRAFTS + 1) if use_invariance(model, invariant, mtp) else None
+    rows = planned_rows(batch) if use_invariance(model, invariant, mtp) else None
     capacity = tokens.shape[1] + max(limits) + mtp + 1
     out = _Outputs(limits, stop_tokens, should_stop, on_tokens)
     with reusable_steps(model, batch, capacity, mtp, graphs, rows) as steps, batch_invariant(rows):

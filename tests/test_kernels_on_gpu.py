@@ -375,8 +375,8 @@ def test_verify_steps_keep_the_bits_of_decode_steps_at_real_head_counts(batch):
     """35B-A3B's GDN heads (H = 16, HV = 32): verify steps that keep some of their tokens, the kept ones replayed
     by the next step, give the outputs and leave the states of decode steps over the same tokens, bit for bit,
     at 32, 256 and 1280 (request, head) pairs (one-pass, sequential, and - for decode alone - wider tiles)
-    launched as batch-invariant steps launch them. Before the state update was one explicit fma, the compiler
-    contracted a decode step's and a replay's differently at 256 pairs."""
+    launched as batch-invariant steps launch them. Before the kernel was compiled without fma contraction, the
+    compiler contracted a decode step's and a verify step's state updates differently at 256 pairs (H200)."""
     hv, plan = 32, 5
     gen = torch.Generator(CUDA).manual_seed(batch)
     n = 10

@@ -35,9 +35,8 @@ def fused_recurrent_gated_delta_rule(
     is computed inside. plan_tokens: launch as for steps of that many tokens, whatever T is (batch-invariant
     steps: a decode step then sums each state column in a verify step's order); default T."""
     if use_triton(q, k, v):
-        config = None if plan_tokens is None else recurrent_config(q.shape[0] * v.shape[2], plan_tokens)
         return fused_recurrent_gated_delta_rule_triton(q, k, v, g, beta, state, log, use_qk_l2norm, A_log, dt_bias,
-                                                       config)
+                                                       plan_tokens=plan_tokens)
     return fused_recurrent_gated_delta_rule_reference(q, k, v, g, beta, state, log, use_qk_l2norm, A_log, dt_bias)
 
 
@@ -194,9 +193,11 @@ def fused_recurrent_gated_delta_rule_triton(
     A_log: torch.Tensor | None = None,
     dt_bias: torch.Tensor | None = None,
     config: RecurrentConfig | None = None,
+    plan_tokens: int | None = None,
 ) -> torch.Tensor:
     """The Triton kernel behind fused_recurrent_gated_delta_rule (any device; CPU tensors run in Triton's
-    interpreter)."""
+    interpreter). config: the launch choices (default: recurrent_config's for this step, or with plan_tokens for a
+    step of that many tokens)."""
     b, t, h, kd = q.shape
     hv, vd = v.shape[2], v.shape[3]
     if t < 1:
@@ -216,7 +217,7 @@ def fused_recurrent_gated_delta_rule_triton(
     if g.stride() != beta.stride() or g.stride(-1) != 1:  # the kernel reads both with g's strides
         g, beta = g.contiguous(), beta.contiguous()
     out = torch.empty(b, t, hv, vd, dtype=v.dtype, device=v.device)
-    cfg = config or recurrent_config(b * hv, t)
+    cfg = config or recurrent_config(b * hv, plan_tokens or t)
     bv = min(cfg.bv, next_power_of_2(vd))
     n_tasks = b * hv * -(-vd // bv)
     entries = (None,) * 5 if log is None else (log.keys, log.log_decay, log.writes, log.side, log.pending)
