@@ -3,7 +3,8 @@ against transformers' own MoE block on the same weights (each of its experts imp
 per-expert loop the runtime ran before, in the same run on one GPU.
 
     python -P bench/moe.py --out DIR [--like 35B-A3B] [--tokens 1,8,32,512,4096] [--layers 4] [--sweep 1,8,16]
-                           [--e2e WORKDIR [--e2e-like 27B] [--batches 1,8,32] [--profile] [--no-transformers]]
+                           [--e2e WORKDIR [--e2e-like 27B] [--batches 1,8,32] [--profile] [--no-transformers]
+                            [--skip-eager-experts]]
 
 For each number of tokens M (decode batch 1/8/32: M = batch; prefill: M = prompt tokens) and each contestant,
 the time of one MoE layer forward, and for decode sizes the share of the copy bandwidth that the bytes the
@@ -316,6 +317,8 @@ def end_to_end(args, copy_bps: float, save) -> dict:
     out["fla"] = fla_version()
     moe = bool(reference.config.get_text_config().to_dict().get("num_experts"))
     for experts, options in TRANSFORMERS_SETTINGS:
+        if args.skip_eager_experts and moe and not experts:
+            continue  # one expert at a time from the host: minutes per batch at real widths, never the best
         if experts and not moe and not options:
             continue  # a dense model has no experts implementation to pick
         setting = ", ".join([f"{experts or 'eager'} experts"] * moe + ["static cache + compile"] * bool(options))
@@ -372,6 +375,8 @@ def main() -> None:
     parser.add_argument("--skip-layer", action="store_true", help="Only the end-to-end part.")
     parser.add_argument("--no-transformers", action="store_true", help="End to end without the transformers runs.")
     parser.add_argument("--profile", action="store_true", help="Profile batch-1 decode end to end (kernels).")
+    parser.add_argument("--skip-eager-experts", action="store_true",
+                        help="End to end, leave out transformers' eager experts (its slowest MoE setting).")
     args = parser.parse_args()
     device = torch.device("cuda")
     import transformers

@@ -159,10 +159,12 @@ class DeviceGraph:
 
     _live: weakref.WeakSet[DeviceGraph] = weakref.WeakSet()  # every graph of this process not yet collected
 
-    def __init__(self, device: torch.device) -> None:
+    def __init__(self, device: torch.device, pool=None) -> None:
+        """pool: a memory pool (new_pool) shared with other graphs that are never replayed at the same time and
+        whose outputs are copied out before another of them replays; None: the graph's own."""
         if not graphs_supported(device):
             raise NpuportError(f"graph capture is not available on {device}")
-        self.device = device
+        self.device, self.pool = device, pool
         self.graph = torch.cuda.CUDAGraph()
         DeviceGraph._live.add(self)
 
@@ -187,8 +189,15 @@ class DeviceGraph:
         """Record fn(); returns its outputs, which every replay overwrites in place. With a process group up, the
         capture only forbids this thread's unsafe calls: the NCCL watchdog thread queries its events meanwhile."""
         grouped = torch.distributed.is_available() and torch.distributed.is_initialized()
-        with torch.cuda.graph(self.graph, capture_error_mode="thread_local" if grouped else "global"):
+        with torch.cuda.graph(self.graph, pool=self.pool,
+                              capture_error_mode="thread_local" if grouped else "global"):
             return fn()
+
+    @staticmethod
+    def new_pool(device: torch.device):
+        """A memory pool that several graphs on `device` can share (see __init__)."""
+        with torch.cuda.device(device):
+            return torch.cuda.graph_pool_handle()
 
     def replay(self) -> None:
         self.graph.replay()

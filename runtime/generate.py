@@ -6,11 +6,13 @@ from __future__ import annotations
 
 import contextlib
 import copy
+import functools
 import threading
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass
 
 import torch
+import torch.nn.functional as F
 
 from npuport.devices import DeviceGraph, graphs_supported, runs_triton
 from npuport.errors import NpuportError
@@ -182,21 +184,67 @@ def prefill(model: Qwen35, state: ModelState, tokens: torch.Tensor, lengths: tor
     return torch.cat(out, dim=1)
 
 
-def mtp_prefill(model: Qwen35, state: ModelState, next_tokens: torch.Tensor, hidden: torch.Tensor,
+# A prefill of at most this many positions (batch x width) on a device that captures graphs runs padded to a fixed
+# width, as a captured graph: its hundreds of launches would otherwise cost the host more than the device's work.
+# Beyond it the device's work hides their cost, and the graph's memory would grow with it.
+GRAPH_PREFILL_POSITIONS = 16384
+
+
+def prefill_width(length: int, chunk_size: int | None) -> int:
+    """The width a captured prefill runs at: chunk_size, or the prompt length rounded up to CAPACITY_STEP (so
+    that prompts of other lengths replay the same graph)."""
+    return chunk_size or -(-length // CAPACITY_STEP) * CAPACITY_STEP
+
+
+def pad_to_width(x: torch.Tensor, width: int) -> torch.Tensor:
+    """x [B, T, ...] right-padded with zeros along T to a multiple of width."""
+    t = x.shape[1]
+    return F.pad(x, (0, 0) * (x.dim() - 2) + (0, -(-t // width) * width - t))
+
+
+def padded_prefill(run: Callable, state: ModelState, tokens: torch.Tensor, lengths: torch.Tensor, width: int
+                   ) -> torch.Tensor:
+    """prefill() in chunks of exactly `width` tokens (tokens [B, T] right-padded with 0 up to a multiple of it),
+    each through run(state, chunk [B, width], n_valid [B]) -> hidden [B, width, hidden], which commits it.
+    Returns the final-normed hidden [B, T, hidden]."""
+    t, padded = tokens.shape[1], pad_to_width(tokens, width)
+    out = [run(state, padded[:, s : s + width], (lengths - s).clamp(0, width)) for s in range(0, t, width)]
+    return torch.cat(out, dim=1)[:, :t]
+
+
+def static_prefill_chunk(model: Qwen35, state: ModelState, tokens: torch.Tensor, n_valid: torch.Tensor
+                         ) -> torch.Tensor:
+    """One chunk of padded_prefill, without a host synchronisation: the forward with static shapes, committed."""
+    hidden = model(tokens, state, n_valid, static_shapes=True)
+    commit_accepted(state, n_valid)
+    return hidden
+
+
+def mtp_prefill_chunk(model: Qwen35, state: ModelState, next_tokens: torch.Tensor, hidden: torch.Tensor,
+                      last: torch.Tensor, n_valid: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """One chunk of mtp_prefill: the head over next_tokens [B, t] and hidden [B, t, hidden] at the state's
+    positions, n_valid [B] of them committed. Returns the logits [B, V] and the head's output [B, hidden] at row
+    last[b]. No host synchronisation: a graph can capture it."""
+    logits, out = model.mtp_forward(next_tokens, hidden, state, logits_at=last)
+    commit_accepted(state, n_valid)
+    return logits[:, 0], out[torch.arange(out.shape[0], device=out.device), last]
+
+
+def mtp_prefill(run: Callable, state: ModelState, next_tokens: torch.Tensor, hidden: torch.Tensor,
                 lengths: torch.Tensor, chunk_size: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """Fill the MTP head's cache over the prompt: row t pairs next_tokens[:, t] (the token after t) with the
-    target's hidden[:, t]. Returns logits [B, V] and the head's output [B, hidden] at each last real row."""
+    target's hidden[:, t], in chunks of chunk_size, each through run(state, next_tokens, hidden, last, n_valid)
+    (mtp_prefill_chunk with the model, or its captured graph). Returns logits [B, V] and the head's output
+    [B, hidden] at each last real row."""
     chunk = chunk_size or next_tokens.shape[1]
-    rows = torch.arange(len(lengths), device=lengths.device)
     logits = outs = None
     for s in range(0, next_tokens.shape[1], chunk):
         n_valid = (lengths - s).clamp(0, min(chunk, next_tokens.shape[1] - s))
         last = (lengths - 1 - s).clamp(0, next_tokens[:, s : s + chunk].shape[1] - 1)
-        lg, out = model.mtp_forward(next_tokens[:, s : s + chunk], hidden[:, s : s + chunk], state, logits_at=last)
-        commit_accepted(state, n_valid)
+        lg, out = run(state, next_tokens[:, s : s + chunk], hidden[:, s : s + chunk], last, n_valid)
         ends_here = ((lengths - 1 >= s) & (lengths - 1 < s + chunk))[:, None]
-        logits = lg[:, 0] if logits is None else torch.where(ends_here, lg[:, 0], logits)
-        outs = out[rows, last] if outs is None else torch.where(ends_here, out[rows, last], outs)
+        logits = lg if logits is None else torch.where(ends_here, lg, logits)
+        outs = out if outs is None else torch.where(ends_here, out, outs)
     return logits, outs
 
 
@@ -237,10 +285,10 @@ class CapturedStep:
     (CUDA graphs: the launches of a whole step replayed at once). A call copies the new inputs in, replays,
     restores the step's Python-side effect on the states (GDN layers staged = t) and returns fresh outputs."""
 
-    def __init__(self, fn: Callable, states: Sequence[ModelState], inputs: Sequence[torch.Tensor], staged: int
-                 ) -> None:
+    def __init__(self, fn: Callable, states: Sequence[ModelState], inputs: Sequence[torch.Tensor], staged: int,
+                 pool=None) -> None:
         self.inputs, self.states, self.staged = [x.clone() for x in inputs], states, staged
-        self.graph = DeviceGraph(states[0].positions.device)
+        self.graph = DeviceGraph(states[0].positions.device, pool)  # outputs are cloned out: pools can be shared
         layers = [layer for state in states for layer in state.layers]
         before = [getattr(layer, "staged", 0) for layer in layers]
         # compiles kernels, makes workspaces
@@ -316,15 +364,55 @@ class Steps:
     def __init__(self, model: Qwen35, state: ModelState, mtp_state: ModelState | None, graphs: bool) -> None:
         self.model, self.state, self.mtp_state, self.graphs = model, state, mtp_state, graphs
         self.captured: dict[tuple, CapturedStep] = {}
+        self.prefill_pool = None  # one memory pool for the prefill graphs of every width: one runs at a time
 
     def _run(self, key: tuple, fn: Callable, state: ModelState | tuple[ModelState, ...],
-             inputs: Sequence[torch.Tensor], staged: int):
+             inputs: Sequence[torch.Tensor], staged: int, pool=None):
         states = state if isinstance(state, tuple) else (state,)
         if not self.graphs:
             return fn(*states, *inputs)
         if key not in self.captured:
-            self.captured[key] = CapturedStep(fn, states, inputs, staged)
+            self.captured[key] = CapturedStep(fn, states, inputs, staged, pool)
         return self.captured[key](*inputs)
+
+    def prefill(self, tokens: torch.Tensor, lengths: torch.Tensor, chunk_size: int | None) -> torch.Tensor:
+        """prefill() of tokens [B, T] (lengths [B]) into the target state. Where graphs can be captured and the
+        prefill is small enough to be bound by launches (GRAPH_PREFILL_POSITIONS), padded to a fixed width with
+        static shapes, each chunk a graph with `graphs` (the same kernels either way, so the same bits)."""
+        width = prefill_width(tokens.shape[1], chunk_size)
+        if not self.prefill_captured(tokens.shape[0], width):
+            return prefill(self.model, self.state, tokens, lengths, chunk_size)
+
+        def run(state, chunk, n_valid):
+            fn = functools.partial(static_prefill_chunk, self.model)
+            return self._run(("prefill", width), fn, state, [chunk, n_valid], 0, self.prefill_pool)
+
+        return padded_prefill(run, self.state, tokens, lengths, width)
+
+    def mtp_prefill(self, next_tokens: torch.Tensor, hidden: torch.Tensor, lengths: torch.Tensor,
+                    chunk_size: int | None) -> tuple[torch.Tensor, torch.Tensor]:
+        """mtp_prefill() into the head's state, padded and captured as prefill() is (the head's chunks right-padded
+        with token 0 and zero hidden rows, which it commits none of)."""
+        direct = functools.partial(mtp_prefill_chunk, self.model)
+        width = prefill_width(next_tokens.shape[1], chunk_size)
+        if not self.prefill_captured(next_tokens.shape[0], width):
+            return mtp_prefill(direct, self.mtp_state, next_tokens, hidden, lengths, chunk_size)
+
+        def run(state, tokens, h, last, n_valid):
+            return self._run(("mtp prefill", width), direct, state, [tokens, h, last, n_valid], 0, self.prefill_pool)
+
+        return mtp_prefill(run, self.mtp_state, pad_to_width(next_tokens, width), pad_to_width(hidden, width),
+                           lengths, width)
+
+    def prefill_captured(self, batch: int, width: int) -> bool:
+        """Whether a prefill of `batch` rows in chunks of `width` runs padded with static shapes (each chunk a
+        graph with `graphs`): where graphs can be captured and the prefill is small enough to be bound by its
+        launches (GRAPH_PREFILL_POSITIONS). Makes the graphs' shared memory pool on first use."""
+        if not graphs_supported(self.model.device) or batch * width > GRAPH_PREFILL_POSITIONS:
+            return False
+        if self.graphs and self.prefill_pool is None:
+            self.prefill_pool = DeviceGraph.new_pool(self.model.device)
+        return True
 
     def target(self, tokens: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Decode / verify tokens [B, t]: (final hidden [B, t, hidden], logits [B, t, vocab]), staged."""
@@ -521,9 +609,8 @@ def _generate(model: Qwen35, steps: Steps, tokens: torch.Tensor, lengths: torch.
     `out` ends."""
     device, batch = model.device, tokens.shape[0]
     rows = torch.arange(batch, device=device)
-    state = steps.state
 
-    hidden = prefill(model, state, tokens, lengths, prefill_chunk)
+    hidden = steps.prefill(tokens, lengths, prefill_chunk)
     next_tok = sample(model.logits(hidden[rows, lengths - 1]), sampling, generator)
     out.add(next_tok[:, None], torch.ones_like(lengths))
 
@@ -540,7 +627,7 @@ def _generate(model: Qwen35, steps: Steps, tokens: torch.Tensor, lengths: torch.
     shifted = tokens.roll(-1, dims=1)
     shifted[rows, lengths - 1] = next_tok
     with batch_invariant(None):  # the head's prefill is no step either
-        mtp_logits, mtp_hidden = mtp_prefill(model, steps.mtp_state, shifted, hidden, lengths, prefill_chunk)
+        mtp_logits, mtp_hidden = steps.mtp_prefill(shifted, hidden, lengths, prefill_chunk)
     stats = AcceptanceStats.empty(batch, mtp)
     while out.running():
         progress, rounds = DeviceProgress(out, device), []

@@ -52,8 +52,9 @@ class Step:
     cos: torch.Tensor  # [B, T, rotary_dim]
     sin: torch.Tensor
     n_valid: torch.Tensor | None  # [B] real tokens per request in a prefill; None for decode / verify
-    # Attend over whole KV caches, masked, rather than up to the furthest position written: no host sync and
-    # fixed shapes, so that a decode / verify step can be captured as a CUDA graph.
+    # Attend over whole KV caches, masked, rather than up to the furthest position written, and start a prefill's
+    # GDN layers from a replay of every log slot: no host sync and fixed shapes, so that a decode / verify step,
+    # or a prefill asked for it (Qwen35.forward's static_shapes), can be captured as a CUDA graph.
     static_shapes: bool = False
 
 
@@ -146,11 +147,14 @@ class Attention(nn.Module):
         k = rms_norm_rope(k.view(b, t, self.n_kv_heads, self.head_dim), self.k_norm.weight, self.k_norm.eps,
                           step.cos, step.sin)
         v = v.view(b, t, self.n_kv_heads, self.head_dim)
-        if step.static_shapes:  # a decode / verify step, without a host sync: the whole caches, the gate fused
+        if step.static_shapes:  # without a host sync: the whole caches
             write_kv(cache.k, cache.v, step.start, k, v)
-            out = decode_attention(q, cache.k, cache.v, step.start, gate, planned_tokens(b)).reshape(b, t, -1)
-            return row_parallel(self.o_proj, out, self.parallel)
-        keys, values = cache.update(step.start, k, v)
+            if step.n_valid is None:  # a decode / verify step: flash-decoding, the gate fused
+                out = decode_attention(q, cache.k, cache.v, step.start, gate, planned_tokens(b)).reshape(b, t, -1)
+                return row_parallel(self.o_proj, out, self.parallel)
+            keys, values = cache.k, cache.v
+        else:
+            keys, values = cache.update(step.start, k, v)
         out = attend(q, keys, values, step.start).reshape(b, t, -1)
         return row_parallel(self.o_proj, out * torch.sigmoid(gate.reshape(b, t, -1)), self.parallel)
 
@@ -212,7 +216,7 @@ class GatedDeltaNet(nn.Module):
             # Padding tokens get g = 0 and beta = 0: they leave the state as the last real token left it.
             real = (torch.arange(t, device=x.device)[None, :] < step.n_valid[:, None])[..., None]
             g, beta = torch.where(real, g, 0.0), torch.where(real, beta, 0.0)
-            out, final = chunk_gated_delta_rule(q, k, v, g, beta, state.current())
+            out, final = chunk_gated_delta_rule(q, k, v, g, beta, state.current(graph_safe=step.static_shapes))
             state.set_current(final)
         z = z.view(b, t, self.n_v_heads, self.v_dim)
         return row_parallel(self.out_proj, self.norm(out, z).reshape(b, t, -1), self.parallel)
@@ -459,12 +463,14 @@ class Qwen35(nn.Module):
     def new_mtp_state(self, batch: int, capacity: int) -> ModelState:
         return new_mtp_state(self.local_config, batch, capacity, self.dtype, self.device)
 
-    def make_step(self, start: torch.Tensor, t: int, n_valid: torch.Tensor | None, capacity: int) -> Step:
-        """The Step of T = t tokens starting at positions start [B] (n_valid: see forward) of a state with room
-        for `capacity` positions."""
+    def make_step(self, start: torch.Tensor, t: int, n_valid: torch.Tensor | None, capacity: int,
+                  static_shapes: bool = False) -> Step:
+        """The Step of T = t tokens starting at positions start [B] (n_valid, static_shapes: see forward) of a
+        state with room for `capacity` positions. Decode / verify steps take static shapes where graphs can
+        capture them."""
         positions = start[:, None] + torch.arange(t, device=start.device)
         cos, sin = self.rope_at(positions, capacity)
-        static = n_valid is None and graphs_supported(start.device)
+        static = static_shapes or (n_valid is None and graphs_supported(start.device))
         return Step(start.clone(), cos, sin, n_valid, static_shapes=static)
 
     def rope_at(self, positions: torch.Tensor, reach: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -481,13 +487,14 @@ class Qwen35(nn.Module):
         return both[..., :rot], both[..., rot:]
 
     def forward(self, tokens: torch.Tensor, state: ModelState, n_valid: torch.Tensor | None = None,
-                hidden_states: list[torch.Tensor] | None = None) -> torch.Tensor:
+                hidden_states: list[torch.Tensor] | None = None, static_shapes: bool = False) -> torch.Tensor:
         """tokens [B, T] at positions state.positions[b] + t -> final-normed hidden [B, T, hidden].
         n_valid [B]: a prefill of that many real tokens per row (right padding); None: a decode / verify
         step of T <= spec_tokens + 1 tokens. Commit afterwards with commit_accepted. `hidden_states`, if
         given, receives what transformers' output_hidden_states gives: the embeddings, the outputs of
-        layers 0..n-2 and the final normed hidden."""
-        step = self.make_step(state.positions, tokens.shape[1], n_valid, state.capacity)
+        layers 0..n-2 and the final normed hidden. static_shapes: a prefill without a host synchronisation
+        (Step.static_shapes), which a graph can capture; its padding rows must lie within the state's capacity."""
+        step = self.make_step(state.positions, tokens.shape[1], n_valid, state.capacity, static_shapes)
         # a prefill is not a step: the fast kernels, whatever batch_invariant() says
         with batch_invariant(None) if n_valid is not None else contextlib.nullcontext():
             return run_layers(self.layers, state.layers, self.embed_tokens(tokens), step, self.norm, hidden_states)

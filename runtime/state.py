@@ -69,9 +69,12 @@ class GDNState:
         """The most tokens one decode / verify step may take."""
         return 1 if self.log is None else self.log.slots
 
-    def current(self) -> torch.Tensor:
-        """Each request's committed state, [B, HV, K, V] (a new tensor when entries are pending)."""
-        return self.recurrent if self.log is None else replay_pending(self.recurrent, self.log)
+    def current(self, graph_safe: bool = False) -> torch.Tensor:
+        """Each request's committed state, [B, HV, K, V] (a new tensor when entries are pending). graph_safe:
+        without a host synchronisation (every log slot replayed, masked by what each request keeps)."""
+        if self.log is None:
+            return self.recurrent
+        return replay_pending(self.recurrent, self.log, self.log.slots if graph_safe else None)
 
     def set_current(self, state: torch.Tensor) -> None:
         """Store committed states [B, HV, K, V] (after a prefill)."""

@@ -1,12 +1,16 @@
-"""Caches and state (float64, where two paths that should agree agree to ~1e-12): chunked prefill against
-one pass, and a verify step committed at a accepted drafts against decoding those tokens one by one."""
+"""Caches and state (float64, where two paths that should agree agree to ~1e-12): chunked prefill and the padded,
+sync-free prefill that graphs capture against one pass, and a verify step committed at a accepted drafts against
+decoding those tokens one by one."""
 
 from __future__ import annotations
+
+import functools
 
 import pytest
 import torch
 
-from npuport.runtime.generate import pad_prompts, prefill
+from npuport.runtime import generate as generate_module
+from npuport.runtime.generate import Steps, pad_prompts, padded_prefill, prefill, static_prefill_chunk
 from npuport.runtime.loader import load_model
 from npuport.runtime.state import GDNState, KVCache, ModelState, commit_accepted
 
@@ -40,18 +44,54 @@ def assert_same_state(a: ModelState, b: ModelState, rows_a: list[int], rows_b: l
 
 
 @torch.no_grad()
-@pytest.mark.parametrize("chunk", [1, 4])
-def test_chunked_prefill_equals_one_pass(model, chunk):
+@pytest.mark.parametrize(("padded", "chunk"), [(False, 1), (False, 4), (True, 4), (True, 16)])
+def test_chunked_and_padded_prefill_equal_one_pass(model, padded, chunk):
+    """Chunks of `chunk` tokens, or (padded) the prefill a GPU captures as a graph: chunks of exactly `chunk`
+    tokens (the prompts right-padded with 0 to a multiple of it: 3 padding tokens at 16), whole-cache attention
+    and a GDN start replayed over every log slot - the hidden states, the committed state and the next step of
+    one plain pass."""
     tokens, lengths = pad_prompts(PROMPTS, model.device)
-    one, chunked = model.new_state(3, 32, spec_tokens=2), model.new_state(3, 32, spec_tokens=2)
+    one, other = model.new_state(3, 32, spec_tokens=2), model.new_state(3, 32, spec_tokens=2)
     h_one = prefill(model, one, tokens, lengths)
-    h_chunked = prefill(model, chunked, tokens, lengths, chunk_size=chunk)
+    if padded:
+        h_other = padded_prefill(functools.partial(static_prefill_chunk, model), other, tokens, lengths, chunk)
+    else:
+        h_other = prefill(model, other, tokens, lengths, chunk_size=chunk)
+    assert h_other.shape == h_one.shape
     for row, n in enumerate(lengths.tolist()):
-        torch.testing.assert_close(h_chunked[row, :n], h_one[row, :n], rtol=1e-10, atol=1e-10)
-    assert_same_state(one, chunked, [0, 1, 2], [0, 1, 2])
+        torch.testing.assert_close(h_other[row, :n], h_one[row, :n], rtol=1e-10, atol=1e-10)
+    assert_same_state(one, other, [0, 1, 2], [0, 1, 2])
     nxt = torch.tensor([[5], [6], [7]])
-    logits = [model.logits(model(nxt, s)) for s in (one, chunked)]
+    logits = [model.logits(model(nxt, s)) for s in (one, other)]
     torch.testing.assert_close(logits[1], logits[0], rtol=1e-10, atol=1e-10)
+
+
+@torch.no_grad()
+def test_prefills_padded_for_graphs_equal_the_plain_ones(model, monkeypatch):
+    """Steps.prefill and Steps.mtp_prefill as they run where graphs can be captured (here without capturing):
+    the prompts and the head's inputs right-padded to 256 positions, static shapes - the target's hidden states,
+    the head's logits and output at each last row, and both committed states of the plain prefills."""
+    assert model.mtp is not None
+    tokens, lengths = pad_prompts(PROMPTS, model.device)
+    shifted = tokens.roll(-1, dims=1)
+    plain, padded = (Steps(model, model.new_state(3, 512, spec_tokens=2), model.new_mtp_state(3, 512), False)
+                     for _ in range(2))
+    h_plain = plain.prefill(tokens, lengths, None)
+    head_plain = plain.mtp_prefill(shifted, h_plain, lengths, None)
+    monkeypatch.setattr(generate_module, "graphs_supported", lambda device: True)
+    h_padded = padded.prefill(tokens, lengths, None)
+    head_padded = padded.mtp_prefill(shifted, h_padded, lengths, None)
+    for row, n in enumerate(lengths.tolist()):
+        torch.testing.assert_close(h_padded[row, :n], h_plain[row, :n], rtol=1e-10, atol=1e-10)
+    for got, want in zip(head_padded, head_plain, strict=True):
+        torch.testing.assert_close(got, want, rtol=1e-10, atol=1e-10)
+    assert_same_state(plain.state, padded.state, [0, 1, 2], [0, 1, 2])
+    assert_same_state(plain.mtp_state, padded.mtp_state, [0, 1, 2], [0, 1, 2])
+    for state_plain, state_padded in ((plain.state, padded.state), (plain.mtp_state, padded.mtp_state)):
+        # the padded path ran: its padding rows wrote keys up to position 255, the plain one's up to the prompt's
+        cache_plain, cache_padded = (next(x for x in s.layers if isinstance(x, KVCache))
+                                     for s in (state_plain, state_padded))
+        assert cache_plain.k[:, tokens.shape[1]:].abs().sum() == 0 < cache_padded.k[:, 255].abs().sum()
 
 
 @torch.no_grad()

@@ -52,16 +52,20 @@ class VerifyLog:
         return VerifyLog(*(getattr(self, f.name).clone() for f in fields(self)))
 
 
-def replay_pending(state: torch.Tensor, log: VerifyLog) -> torch.Tensor:
+def replay_pending(state: torch.Tensor, log: VerifyLog, slots: int | None = None) -> torch.Tensor:
     """state [B, HV, K, V] with each request's pending log entries applied (a new tensor): the committed
-    state when a verify step's tokens were kept."""
-    side = int(log.side)
+    state when a verify step's tokens were kept. slots: how many entries to go through, each applied where a
+    request keeps it (default: as many as any request keeps, which the host reads off the device; log.slots
+    needs no host synchronisation - a graph can capture it)."""
+    if slots is None:
+        slots = int(log.pending.max()) if log.pending.numel() else 0
     group = log.writes.shape[3] // log.keys.shape[3]
+    keys_now, decay_now, writes_now = (x.index_select(0, log.side)[0] for x in (log.keys, log.log_decay, log.writes))
     out = state.clone()
-    for j in range(int(log.pending.max()) if log.pending.numel() else 0):
-        keys = log.keys[side, :, j].repeat_interleave(group, dim=1)  # [B, HV, K]
-        stepped = out * log.log_decay[side, :, j].exp()[..., None, None]
-        stepped = stepped + keys[..., :, None] * log.writes[side, :, j, :, None, :]
+    for j in range(slots):
+        keys = keys_now[:, j].repeat_interleave(group, dim=1)  # [B, HV, K]
+        stepped = out * decay_now[:, j].exp()[..., None, None]
+        stepped = stepped + keys[..., :, None] * writes_now[:, j, :, None, :]
         out = torch.where((log.pending > j)[:, None, None, None], stepped, out)
     return out
 
