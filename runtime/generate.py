@@ -380,12 +380,12 @@ class Steps:
         prefill is small enough to be bound by launches (GRAPH_PREFILL_POSITIONS), padded to a fixed width with
         static shapes, each chunk a graph with `graphs` (the same kernels either way, so the same bits)."""
         width = prefill_width(tokens.shape[1], chunk_size)
-        if not self.prefill_captured(tokens.shape[0], width):
+        if not self.prefill_padded(tokens.shape[0], width):
             return prefill(self.model, self.state, tokens, lengths, chunk_size)
+        direct = functools.partial(static_prefill_chunk, self.model)
 
         def run(state, chunk, n_valid):
-            fn = functools.partial(static_prefill_chunk, self.model)
-            return self._run(("prefill", width), fn, state, [chunk, n_valid], 0, self.prefill_pool)
+            return self._run(("prefill", width), direct, state, [chunk, n_valid], 0, self.prefill_pool)
 
         return padded_prefill(run, self.state, tokens, lengths, width)
 
@@ -395,7 +395,7 @@ class Steps:
         with token 0 and zero hidden rows, which it commits none of)."""
         direct = functools.partial(mtp_prefill_chunk, self.model)
         width = prefill_width(next_tokens.shape[1], chunk_size)
-        if not self.prefill_captured(next_tokens.shape[0], width):
+        if not self.prefill_padded(next_tokens.shape[0], width):
             return mtp_prefill(direct, self.mtp_state, next_tokens, hidden, lengths, chunk_size)
 
         def run(state, tokens, h, last, n_valid):
@@ -404,7 +404,7 @@ class Steps:
         return mtp_prefill(run, self.mtp_state, pad_to_width(next_tokens, width), pad_to_width(hidden, width),
                            lengths, width)
 
-    def prefill_captured(self, batch: int, width: int) -> bool:
+    def prefill_padded(self, batch: int, width: int) -> bool:
         """Whether a prefill of `batch` rows in chunks of `width` runs padded with static shapes (each chunk a
         graph with `graphs`): where graphs can be captured and the prefill is small enough to be bound by its
         launches (GRAPH_PREFILL_POSITIONS). Makes the graphs' shared memory pool on first use."""
