@@ -15,7 +15,7 @@ import time
 import urllib.error
 import urllib.request
 from collections.abc import Callable, Sequence
-from concurrent.futures import CancelledError, Future, ThreadPoolExecutor, as_completed
+from concurrent.futures import CancelledError, Future, ThreadPoolExecutor, as_completed, wait
 from dataclasses import dataclass
 
 from npuport.errors import EndpointError
@@ -345,6 +345,11 @@ class CompletionsEndpoint:
                 if run.stopped.is_set():
                     break
             if run.given_up is not None:  # keep what ended before the give-up and was not delivered yet
+                for future in futures:
+                    future.cancel()  # not started: never sent
+                # The rest end at once (their exchanges cut, their retry waits over), the question whose failure
+                # gave the endpoint up among them: it is counted in its worker before its future completes.
+                wait(futures, timeout=self.timeout_s)
                 for future, index in futures.items():
                     if index not in answered and future.done():
                         deliver(index, future)
