@@ -10,8 +10,10 @@ from collections.abc import Callable
 from concurrent.futures import FIRST_EXCEPTION, ThreadPoolExecutor, wait
 from pathlib import Path
 
-from npuport.convert.plan import Plan, Unit
-from npuport.convert.safetensors_io import MappedShards, ShardWriter, shard_file_size
+import torch
+
+from npuport.convert.plan import BLOCK_BYTES, Plan, Unit
+from npuport.convert.safetensors_io import ShardReader, ShardWriter, shard_file_size
 from npuport.output_folder import signals_held
 
 DESCRIPTION_NAME = "quant_model_description.json"
@@ -44,7 +46,7 @@ def write_shards(plan: Plan, out: Path, workers: int, on_unit: Callable[[Unit], 
     error, or Ctrl-C / SIGTERM in the main thread - no queued shard is started and the running ones stop at
     their next block, before this returns (or raises)."""
     names = shard_names(len(plan.shards))
-    reader = MappedShards()
+    reader = ShardReader()
     lock = threading.Lock()
     stop = threading.Event()
 
@@ -55,9 +57,10 @@ def write_shards(plan: Plan, out: Path, workers: int, on_unit: Callable[[Unit], 
     def write_one(k: int) -> None:
         units: list[Unit] = plan.shards[k]
         writer = ShardWriter(out / names[k], [s for u in units for s in u.specs], SHARD_METADATA)
+        block = torch.empty(BLOCK_BYTES, dtype=torch.uint8)  # this shard's read buffer; pages touched only when used
         try:
             for u in units:
-                for name, piece in u.produce(reader):
+                for name, piece in u.produce(reader, block):
                     if stop.is_set():
                         raise _StopWriting
                     writer.write(name, piece)

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 
 from npuport.convert.ascend_writer import DESCRIPTION_GLOBALS, INDEX_NAME
@@ -10,8 +9,9 @@ from npuport.convert.labels import engine_float_reason
 from npuport.convert.qwen35_names import FUSED_EXPERTS, fused_group, is_linear_weight, is_mtp, split_param
 from npuport.convert.recipe import FLOAT, W8A8_DYNAMIC
 from npuport.convert.safetensors_io import MappedShards, TensorEntry, read_header
-from npuport.convert.source import ModelConfig, config_problems
+from npuport.convert.source import ModelConfig, config_problems, shown_value
 from npuport.errors import ArtifactError, NpuportError
+from npuport.jsonfile import read_json_object
 from npuport.paths import file_inside
 
 QUANT_PARAMS = ("weight", "weight_scale", "weight_offset")
@@ -19,19 +19,13 @@ SOURCE_ONLY_FILES = ("model.safetensors.index.json", "model.safetensors")
 
 
 def _load_json(path: Path, problems: list[str]) -> dict | None:
+    """The JSON object in `path`, or None with the problem added (the file outside the artifact, unreadable, not
+    JSON within npuport's bounds, not an object)."""
     try:
-        file_inside(path.parent, path.name, "the artifact", ArtifactError)
-        data = json.loads(path.read_text(encoding="utf-8"))
+        return read_json_object(file_inside(path.parent, path.name, "the artifact", ArtifactError), ArtifactError)
     except ArtifactError as e:
         problems.append(_relative(e, path.parent))
         return None
-    except (OSError, ValueError) as e:
-        problems.append(f"{path.name}: cannot be read as JSON ({e})")
-        return None
-    if not isinstance(data, dict):
-        problems.append(f"{path.name}: not a JSON object")
-        return None
-    return data
 
 
 def _relative(error: NpuportError, art: Path) -> str:
@@ -65,9 +59,12 @@ def _read_shards(art: Path, problems: list[str]) -> dict[str, TensorEntry]:
     for name, shard in weight_map.items():
         if name not in entries and shard in read:
             problems.append(f"{INDEX_NAME}: maps {name} to {shard}, which does not contain it")
-    total = (index.get("metadata") or {}).get("total_size")
-    if total != sum(e.nbytes for e in entries.values()):
-        problems.append(f"{INDEX_NAME}: metadata.total_size {total} != {sum(e.nbytes for e in entries.values())}")
+    metadata = index.get("metadata") or {}
+    if not isinstance(metadata, dict):
+        problems.append(f"{INDEX_NAME}: metadata must be an object (with total_size), is {type(metadata).__name__}")
+    elif (total := metadata.get("total_size")) != sum(e.nbytes for e in entries.values()):
+        problems.append(f"{INDEX_NAME}: metadata.total_size {shown_value(total)} != "
+                        f"{sum(e.nbytes for e in entries.values())}")
     for p in sorted(art.glob("*.safetensors")):
         if p.name not in set(weight_map.values()):
             problems.append(f"{p.name}: a safetensors file not named by {INDEX_NAME}")
@@ -96,7 +93,8 @@ def _check_quantized(module: str, entries: dict[str, TensorEntry], desc: dict, r
             problems.append(f"{name}: missing for quantized layer {module}")
             continue
         if desc.get(name) != W8A8_DYNAMIC:
-            problems.append(f"{name}: labelled {desc.get(name)!r}, must be W8A8_DYNAMIC like {module}.weight")
+            problems.append(f"{name}: labelled {shown_value(desc.get(name))}, must be W8A8_DYNAMIC like "
+                            f"{module}.weight")
         if e.dtype != "F32" or e.shape != (w.shape[0], 1):
             problems.append(f"{name}: must be float32 [{w.shape[0]}, 1], is {e.dtype} {list(e.shape)}")
         elif param == "weight_offset" and bool(reader.view(e).any()):
@@ -140,9 +138,10 @@ def check_artifact(art: Path) -> list[str]:
         if key == "model_quant_type":
             continue
         if desc.get(key) != value:
-            problems.append(f"description: {key} must be {value!r}, is {desc.get(key)!r}")
+            problems.append(f"description: {key} must be {value!r}, is {shown_value(desc.get(key))}")
     if desc.get("model_quant_type") not in (W8A8_DYNAMIC, FLOAT):
-        problems.append(f"description: model_quant_type {desc.get('model_quant_type')!r} is not W8A8_DYNAMIC")
+        problems.append(f"description: model_quant_type {shown_value(desc.get('model_quant_type'))} is not "
+                        "W8A8_DYNAMIC")
     labels = {k: v for k, v in desc.items() if k not in DESCRIPTION_GLOBALS}
     for name in entries:
         if name not in labels:
@@ -151,7 +150,7 @@ def check_artifact(art: Path) -> list[str]:
         if name not in entries:
             problems.append(f"{name}: description entry for a tensor that is not written")
         elif label not in (W8A8_DYNAMIC, FLOAT):
-            problems.append(f"{name}: unknown label {label!r}")
+            problems.append(f"{name}: unknown label {shown_value(label)}")
     reader = MappedShards()
     try:
         _check_layers(entries, labels, reader, problems)

@@ -29,7 +29,7 @@ from npuport.convert.ascend_writer import (
 )
 from npuport.convert.check import check_artifact
 from npuport.convert.plan import Plan, Unit, build_plan
-from npuport.convert.recipe import Recipe, default_recipe_path, load_recipe
+from npuport.convert.recipe import Recipe, checked_part_file_size, default_recipe_path, load_recipe
 from npuport.convert.source import INDEX_NAME, SourceCheckpoint, open_source
 from npuport.errors import ArtifactError, NpuportError
 from npuport.output_folder import GB, MANIFEST_NAME, MANIFEST_TOOL, OutputFolder
@@ -99,15 +99,19 @@ def convert_qwen35(
     """Convert the Qwen3.5 BF16 checkpoint in `src` into a W8A8_DYNAMIC artifact at `out`."""
     t0 = time.perf_counter()
     src, out = Path(src), Path(out)
+    if part_file_size_gb is not None:
+        part_file_size_gb = checked_part_file_size(part_file_size_gb, "--part-file-size")
     folder = OutputFolder(out, NpuportError, log)
     folder.prepare({"source": src}, force)
     source = open_source(src)
     recipe = load_recipe(recipe_path or default_recipe_path(source.is_moe), allow_unsupported=skip_unsupported)
     for note in recipe.notes:
         log(f"recipe: {note}")
-    part_bytes = int((part_file_size_gb or recipe.part_file_size_gb) * GB)
+    part_bytes = int((recipe.part_file_size_gb if part_file_size_gb is None else part_file_size_gb) * GB)
     plan = build_plan(source, recipe, part_bytes)
     _log_plan(plan, log)
+    for pattern, rule in recipe.unmatched_includes(plan.linear_labels):  # a recipe for another model? a typo?
+        log(f"warning: include pattern {pattern!r} ({rule.where}) matches no linear layer of this model")
     copies = copied_files(src)
     needed = planned_size(plan) + sum(p.stat().st_size for p in copies) + 1024 * 1024
     with folder.building(needed, "artifact") as tmp:

@@ -20,9 +20,9 @@ from npuport.convert.qwen35_names import (
     split_param,
 )
 from npuport.convert.recipe import FLOAT, W8A8_DYNAMIC, Recipe
-from npuport.convert.safetensors_io import DTYPES, MappedShards, OutSpec, TensorEntry, itemsize
+from npuport.convert.safetensors_io import DTYPES, OutSpec, ShardReader, TensorEntry, itemsize, shown_name
 from npuport.convert.source import SourceCheckpoint
-from npuport.errors import CheckpointError
+from npuport.errors import CheckpointError, RecipeError
 
 BLOCK_BYTES = 64 * 1024 * 1024  # source bytes processed at once: bounds the working set
 
@@ -40,16 +40,13 @@ class Region:
     def nbytes(self) -> int:
         return self.rows * self.cols * itemsize(self.entry.dtype)
 
-    def rows_view(self, reader: MappedShards, first: int, count: int) -> torch.Tensor:
+    def read_rows(self, reader: ShardReader, first: int, count: int, block: torch.Tensor) -> torch.Tensor:
+        """Rows [first, first + count) as a [count, cols] tensor of the source dtype, read into `block` where they
+        fit (see ShardReader.read)."""
         size = itemsize(self.entry.dtype)
         begin = (self.offset + first * self.cols) * size
-        buf = reader.raw(self.entry, begin, begin + count * self.cols * size)
-        return MappedShards.frombuffer(buf, DTYPES[self.entry.dtype]).view(count, self.cols)
-
-    def release(self, reader: MappedShards, first: int, count: int) -> None:
-        size = itemsize(self.entry.dtype)
-        begin = (self.offset + first * self.cols) * size
-        reader.release(self.entry, begin, begin + count * self.cols * size)
+        data = reader.read(self.entry, begin, begin + count * self.cols * size, block)
+        return data.view(DTYPES[self.entry.dtype]).view(count, self.cols)
 
     def row_blocks(self) -> Iterator[tuple[int, int]]:
         step = max(1, BLOCK_BYTES // max(1, self.cols * itemsize(self.entry.dtype)))
@@ -74,25 +71,25 @@ class Unit:
     def source_bytes(self) -> int:
         return self.region.nbytes
 
-    def produce(self, reader: MappedShards) -> Iterator[tuple[str, torch.Tensor | memoryview]]:
-        """Yield (tensor name, next piece of its bytes) in spec order."""
+    def produce(self, reader: ShardReader, block: torch.Tensor) -> Iterator[tuple[str, torch.Tensor | memoryview]]:
+        """Yield (tensor name, next piece of its bytes) in spec order. Source bytes are read into `block` (uint8
+        [BLOCK_BYTES], reused): a piece yielded may lie in it, so it must be consumed before the next is asked for."""
         if self.kind == "copy":
             size = itemsize(self.region.entry.dtype)
             start, total = self.region.offset * size, self.region.nbytes
             for b in range(0, total, BLOCK_BYTES):
                 e = min(total, b + BLOCK_BYTES)
-                yield self.specs[0].name, reader.raw(self.region.entry, start + b, start + e)
-                reader.release(self.region.entry, start + b, start + e)
+                yield self.specs[0].name, reader.raw(self.region.entry, start + b, start + e, block)
         elif self.kind == "to_float32":
-            yield self.specs[0].name, self.region.rows_view(reader, 0, self.region.rows).float().reshape(-1)
+            yield self.specs[0].name, self.region.read_rows(reader, 0, self.region.rows, block).float().reshape(-1)
         else:
-            yield from self._quantize(reader)
+            yield from self._quantize(reader, block)
 
-    def _quantize(self, reader: MappedShards) -> Iterator[tuple[str, torch.Tensor]]:
+    def _quantize(self, reader: ShardReader, block: torch.Tensor) -> Iterator[tuple[str, torch.Tensor]]:
         scales = []
         r = self.region
         for first, count in r.row_blocks():
-            w = r.rows_view(reader, first, count)
+            w = r.read_rows(reader, first, count, block)
             scale = per_channel_scale(w)  # a NaN or Inf anywhere in a row makes its max, so its scale, non-finite
             if not torch.isfinite(scale).all():
                 bad = first + int((~torch.isfinite(scale)).nonzero()[0])
@@ -102,7 +99,6 @@ class Unit:
                 )
             yield self.specs[0].name, quantize_rows(w, scale)
             scales.append(scale)
-            r.release(reader, first, count)
         yield self.specs[1].name, torch.cat(scales).float()
         yield self.specs[2].name, torch.zeros(r.rows, dtype=torch.float32)
 
@@ -166,10 +162,21 @@ def _linear_regions(src: SourceCheckpoint) -> dict[str, Region]:
     return regions
 
 
+def _refuse_if_nothing_quantized(labels: dict[str, LinearLabel], recipe: Recipe) -> None:
+    """An artifact labelled W8A8 whose every layer is BF16 (a misspelt include glob, say) is never written."""
+    if any(lab.label == W8A8_DYNAMIC for lab in labels.values()):
+        return
+    included = next((m for m in labels if any(r.includes(m) for r in recipe.rules)), None)
+    why = (f"every layer they match is kept BF16 (e.g. {shown_name(included)}: {labels[included].reason})"
+           if included else "they match no linear layer of this model")
+    raise RecipeError(f"{recipe.path}: the recipe quantizes nothing: include patterns {recipe.shown_includes()}: {why}")
+
+
 def build_plan(src: SourceCheckpoint, recipe: Recipe, part_file_bytes: int) -> Plan:
     regions = _linear_regions(src)
     modules = sorted(regions, key=lambda m: model_order_key(m + ".weight"))
     labels = label_linears(modules, recipe)
+    _refuse_if_nothing_quantized(labels, recipe)
     units: list[Unit] = []
     for m in modules:
         region = regions[m]

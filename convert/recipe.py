@@ -10,7 +10,9 @@ from __future__ import annotations
 
 import difflib
 import fnmatch
+import os
 import reprlib
+import stat
 from collections.abc import Collection
 from dataclasses import dataclass, field
 from importlib import resources
@@ -42,6 +44,9 @@ _QUANTIZER_KEYS = ("dtype", "scope", "symmetric", "method", "ext")
 _SAVE_KEYS = ("type", "part_file_size", "ext")
 
 MAX_RECIPE_BYTES = 1 << 20  # msModelSlim's recipes are 1-3 kB
+MAX_PART_FILE_GB = 1e6  # a shard size limit (GB) no disk reaches: a larger one is a mistake
+# A recipe's integers are small; a longer one is refused before Python converts it (it refuses 4,300+ digits).
+MAX_INT_CHARS = 100
 # Nodes of the YAML tree with every alias expanded: msModelSlim's recipes have a few hundred; a 647-byte
 # "billion laughs" alias bomb has 10**9.
 MAX_YAML_NODES = 100_000
@@ -81,11 +86,20 @@ class Recipe:
     part_file_size_gb: float
     text: str
     source_name: str
+    path: Path
     notes: list[str] = field(default_factory=list)
 
     def match(self, module: str) -> QuantRule | None:
         """The first rule that selects `module`, or None."""
         return next((r for r in self.rules if r.includes(module) and not r.excluded_by(module)), None)
+
+    def shown_includes(self) -> str:
+        """Every include pattern, for a message (cut short)."""
+        return _cut(", ".join(repr(p) for r in self.rules for p in r.include), 200)
+
+    def unmatched_includes(self, modules: Collection[str]) -> list[tuple[str, QuantRule]]:
+        """(pattern, its rule) for each include pattern that matches none of `modules`."""
+        return [(p, r) for r in self.rules for p in r.include if not any(fnmatch.fnmatchcase(m, p) for m in modules)]
 
     def why_not(self, module: str) -> str:
         """Why no rule selects `module` (for the ignore-list)."""
@@ -106,15 +120,24 @@ def default_recipe_path(moe: bool) -> Path:
 
 
 class _BoundedLoader(yaml.SafeLoader):
-    """PyYAML's SafeLoader that measures the composed document before building it: a tree that aliases
-    expand past MAX_YAML_NODES nodes, or an alias inside its own anchor, is refused without being expanded."""
+    """PyYAML's SafeLoader that checks the composed document before building it: a tree that aliases expand past
+    MAX_YAML_NODES nodes, an alias inside its own anchor, a key given twice in one mapping (PyYAML keeps the last
+    silently) or an integer longer than MAX_INT_CHARS is refused without being built; a value Python cannot build
+    (a date that is none) is refused naming its key."""
 
     def construct_document(self, node: yaml.Node):
         _check_expanded_size(node)
+        self._paths = _check_keys_and_integers(node)
         return super().construct_document(node)
 
+    def construct_object(self, node: yaml.Node, deep: bool = False):
+        try:
+            return super().construct_object(node, deep)
+        except (ValueError, OverflowError) as e:
+            raise _YAMLRefused(f"{_node_where(self._paths, node)}: cannot read this value: {_cut(str(e))}") from None
 
-class _YAMLTooLarge(Exception):
+
+class _YAMLRefused(Exception):
     pass
 
 
@@ -128,7 +151,7 @@ def _children(node: yaml.Node) -> list[yaml.Node]:
 
 def _check_expanded_size(root: yaml.Node) -> None:
     """Count the nodes of the tree the node graph stands for (an alias counts its whole anchored subtree
-    again), each shared node measured once; raise _YAMLTooLarge past MAX_YAML_NODES or on a cycle."""
+    again), each shared node measured once; raise _YAMLRefused past MAX_YAML_NODES or on a cycle."""
     sizes: dict[int, int] = {}
     on_path: set[int] = set()
     stack: list[tuple[yaml.Node, bool]] = [(root, False)]
@@ -139,34 +162,92 @@ def _check_expanded_size(root: yaml.Node) -> None:
             on_path.discard(key)
             sizes[key] = 1 + sum(sizes[id(c)] for c in _children(node))
             if sizes[key] > MAX_YAML_NODES:
-                raise _YAMLTooLarge(f"its aliases (*name) expand it past {MAX_YAML_NODES:,} nodes (an alias bomb?)")
+                raise _YAMLRefused(f"refused: its aliases (*name) expand it past {MAX_YAML_NODES:,} nodes (an alias "
+                                   "bomb?)")
             continue
         if key in sizes:
             continue
         if key in on_path:
-            raise _YAMLTooLarge("an alias (*name) refers to a node that holds it")
+            raise _YAMLRefused("refused: an alias (*name) refers to a node that holds it")
         on_path.add(key)
         stack.append((node, True))
         stack.extend((child, False) for child in _children(node) if id(child) not in sizes)
+
+
+_INT_TAG, _MERGE_TAG = "tag:yaml.org,2002:int", "tag:yaml.org,2002:merge"
+
+
+def _node_where(paths: dict[int, str], node: yaml.Node) -> str:
+    """`spec.save[0].part_file_size (line 12)`: where a node sits, for a message."""
+    return f"{paths.get(id(node)) or 'the document'} (line {node.start_mark.line + 1})"
+
+
+def _check_keys_and_integers(root: yaml.Node) -> dict[int, str]:
+    """The key path of every node (`spec.process[1].include`; a node reached through aliases, its first), after
+    refusing a mapping that gives a key twice and an integer longer than MAX_INT_CHARS. Run on a tree whose expanded
+    size is already bounded."""
+    paths: dict[int, str] = {id(root): ""}
+    stack = [root]
+    while stack:
+        node = stack.pop()
+        path = paths[id(node)]
+        children: list[tuple[yaml.Node, str]] = []
+        if isinstance(node, yaml.ScalarNode) and node.tag == _INT_TAG and len(node.value) > MAX_INT_CHARS:
+            raise _YAMLRefused(f"{_node_where(paths, node)}: an integer of {len(node.value):,} characters; a recipe's "
+                               f"numbers are small")
+        if isinstance(node, yaml.SequenceNode):
+            children = [(item, f"{path}[{i}]") for i, item in enumerate(node.value)]
+        elif isinstance(node, yaml.MappingNode):
+            seen: dict[tuple[str, str], yaml.Node] = {}
+            for key, value in node.value:
+                shown = _cut(key.value, 60) if isinstance(key, yaml.ScalarNode) else "(a key that is not a scalar)"
+                children += [(key, f"{path or 'the top level'}: a key"), (value, f"{path}.{shown}" if path else shown)]
+                if not isinstance(key, yaml.ScalarNode) or key.tag == _MERGE_TAG:  # `<<: *anchor` merges, then
+                    continue  # the mapping's own keys override what it merged: not a repeated key
+                first = seen.setdefault((key.tag, key.value), key)
+                if first is not key:
+                    raise _YAMLRefused(f"{path or 'the top level'}: key {_short(key.value)} given twice (lines "
+                                       f"{first.start_mark.line + 1} and {key.start_mark.line + 1}); YAML would keep "
+                                       f"only the last")
+        for child, child_path in children:
+            if id(child) not in paths:
+                paths[id(child)] = child_path
+                stack.append(child)
+    return paths
+
+
+def _refuse_unless_regular(path: Path, st: os.stat_result) -> os.stat_result:
+    """`st`, if it is a regular file's; else a RecipeError naming what `path` is (a named pipe, a device...)."""
+    if not stat.S_ISREG(st.st_mode):
+        kinds = ((stat.S_ISDIR, "a folder"), (stat.S_ISFIFO, "a named pipe"), (stat.S_ISSOCK, "a socket"),
+                 (stat.S_ISCHR, "a character device"), (stat.S_ISBLK, "a block device"))
+        kind = next((name for test, name in kinds if test(st.st_mode)), "a special file")
+        raise RecipeError(f"{path}: {kind}, not a regular file; a recipe is a YAML text file")
+    return st
 
 
 def _read_yaml(path: Path) -> tuple[str, object]:
     """The text of `path` and the YAML document in it, or a one-line RecipeError naming the file (never its
     contents)."""
     try:
-        size = path.stat().st_size
+        _refuse_unless_regular(path, path.stat())  # before opening: opening a named pipe waits for a writer
+        # O_NONBLOCK: a file swapped for a named pipe after that check does not block the open either
+        with os.fdopen(os.open(path, os.O_RDONLY | getattr(os, "O_NONBLOCK", 0)), "rb") as f:
+            size = _refuse_unless_regular(path, os.fstat(f.fileno())).st_size
+            data = f.read(MAX_RECIPE_BYTES + 1) if size <= MAX_RECIPE_BYTES else b""
+        size = max(size, len(data))
         if size > MAX_RECIPE_BYTES:
             raise RecipeError(f"{path}: {size:,} bytes; a recipe is a small text file (at most "
                               f"{MAX_RECIPE_BYTES:,} bytes)")
-        text = path.read_text(encoding="utf-8")
+        text = data.decode("utf-8")
     except OSError as e:
         raise RecipeError(f"{path}: cannot read recipe: {e.strerror or e}") from None
     except UnicodeDecodeError as e:
         raise RecipeError(f"{path}: not UTF-8 text (byte {e.start})") from None
     try:
         return text, yaml.load(text, Loader=_BoundedLoader)  # a SafeLoader: plain data, no Python objects
-    except _YAMLTooLarge as e:
-        raise RecipeError(f"{path}: refused: {e}") from None
+    except _YAMLRefused as e:
+        raise RecipeError(f"{path}: {e}") from None
     except RecursionError:
         raise RecipeError(f"{path}: refused: nested too deeply") from None
     except yaml.MarkedYAMLError as e:
@@ -277,6 +358,15 @@ def _prior_stages(spec: dict, allow_unsupported: bool, notes: list[str]) -> None
     notes.append(msg + "; skipped (--skip-unsupported)")
 
 
+def checked_part_file_size(size: object, where: str) -> float:
+    """A shard size limit in GB (`spec.save[].part_file_size`, `--part-file-size`) as a float: a finite number above
+    0 and below MAX_PART_FILE_GB, else a RecipeError naming `where` (0 is not "the default", NaN not a size)."""
+    if isinstance(size, bool) or not isinstance(size, (int, float)) or not 0 < size < MAX_PART_FILE_GB:
+        raise RecipeError(f"{where} must be a finite positive number of GB (below {MAX_PART_FILE_GB:,.0f}), "
+                          f"got {_short(size)}")
+    return float(size)
+
+
 def _part_file_size_gb(save_steps: list, notes: list[str]) -> float:
     """The shard size of `spec.save` (GB; 4 when unset), from its ascendv1_saver step."""
     part_gb = 4.0
@@ -286,17 +376,15 @@ def _part_file_size_gb(save_steps: list, notes: list[str]) -> float:
             kind = save.get("type") if isinstance(save, dict) else save
             raise RecipeError(f"{w}: only type 'ascendv1_saver' is implemented, got {_short(kind)}")
         _check_keys(save, _SAVE_KEYS, w)
-        size = save.get("part_file_size", part_gb)
-        if isinstance(size, bool) or not isinstance(size, (int, float)) or not 0 < size < 1e6:
-            raise RecipeError(f"{w}: part_file_size must be a positive number of GB, got {_short(size)}")
-        part_gb = float(size)
+        part_gb = checked_part_file_size(save.get("part_file_size", part_gb), f"{w}.part_file_size")
         if save.get("ext"):
             notes.append(f"{w}.ext is not implemented; ignored")
     return part_gb
 
 
-def _parse(doc: object, text: str, source_name: str, allow_unsupported: bool) -> Recipe:
+def _parse(doc: object, text: str, path: Path, allow_unsupported: bool) -> Recipe:
     """The Recipe in a loaded YAML document; RecipeErrors name the key, the caller names the file."""
+    source_name = path.name
     if not isinstance(doc, dict) or not isinstance(doc.get("spec"), dict):
         raise RecipeError("not an msModelSlim recipe (no `spec` mapping)")
     spec = doc["spec"]
@@ -318,7 +406,7 @@ def _parse(doc: object, text: str, source_name: str, allow_unsupported: bool) ->
     metadata = doc.get("metadata")
     config_id = metadata.get("config_id") if isinstance(metadata, dict) else None
     name = _cut(str(config_id)) if config_id else Path(source_name).stem
-    return Recipe(name, rules, part_gb, text, source_name, notes)
+    return Recipe(name, rules, part_gb, text, source_name, path, notes)
 
 
 def load_recipe(path: Path, allow_unsupported: bool = False) -> Recipe:
@@ -327,6 +415,6 @@ def load_recipe(path: Path, allow_unsupported: bool = False) -> Recipe:
     path = Path(path)
     text, doc = _read_yaml(path)
     try:
-        return _parse(doc, text, path.name, allow_unsupported)
+        return _parse(doc, text, path, allow_unsupported)
     except RecipeError as e:
         raise RecipeError(f"{path}: {e}") from None

@@ -1,4 +1,4 @@
-"""Streaming safetensors I/O: read one tensor (or one row block) at a time from a memory-mapped shard,
+"""Streaming safetensors I/O: read one tensor (or one row block) at a time from a shard with positioned reads,
 and write a shard whose header is known before its data, so no shard is ever held in memory whole.
 
 The format (8-byte little-endian header length, JSON header, raw little-endian data) is small enough
@@ -8,9 +8,9 @@ to parse here, which lets every error name the file and the tensor.
 from __future__ import annotations
 
 import json
-import mmap
+import os
 import struct
-import warnings
+import threading
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -18,6 +18,7 @@ import torch
 
 from npuport.checksums import write_fully
 from npuport.errors import CheckpointError
+from npuport.jsonfile import JSONBoundError, parse_json
 
 DTYPES: dict[str, torch.dtype] = {
     "BF16": torch.bfloat16,
@@ -129,12 +130,14 @@ def _parse_header_json(raw: bytes, path: Path) -> dict:
     except UnicodeDecodeError:
         raise CheckpointError(f"{path}: corrupt safetensors header: not UTF-8 text") from None
     try:
-        header = json.loads(text, object_pairs_hook=_unique_keys, parse_int=_json_int, parse_float=_json_float,
+        header = parse_json(text, object_pairs_hook=_unique_keys, parse_int=_json_int, parse_float=_json_float,
                             parse_constant=_json_constant)
         json.dumps(header, ensure_ascii=False).encode("utf-8")  # a lone surrogate escape: the library refuses it
     except _DuplicateKey as e:
         key = shown_name(e.args[0])
         raise CheckpointError(f"{path}: corrupt safetensors header: key {key} appears twice") from None
+    except JSONBoundError as e:  # nested deeper, or a number longer, than any header's
+        raise CheckpointError(f"{path}: corrupt safetensors header: {e}") from None
     except json.JSONDecodeError as e:  # its message gives a position, never the text
         raise CheckpointError(f"{path}: corrupt safetensors header: {e}") from None
     except (ValueError, UnicodeEncodeError):
@@ -223,66 +226,71 @@ def _check_layout(path: Path, entries: dict[str, TensorEntry], data_start: int, 
         )
 
 
-class MappedShards:
-    """Memory-maps source shards on demand. `view` returns a zero-copy tensor over part of a tensor's
-    bytes; `release` drops those pages from this process's resident set once they are used, so the
-    resident set stays bounded by what is being worked on, not by what has been read."""
+class ShardReader:
+    """Reads byte ranges of source shards with positioned reads (`os.preadv`) into a buffer, each shard opened once
+    and shared by every thread. A file that shrinks while it is read is a short read, so a CheckpointError naming
+    the shard and the tensor; a memory map would touch pages past the file's new end and die of SIGBUS."""
 
     def __init__(self) -> None:
-        self._maps: dict[Path, mmap.mmap] = {}
-        self._files: dict[Path, object] = {}
+        self._fds: dict[Path, int] = {}
+        self._lock = threading.Lock()
 
-    def _map(self, path: Path) -> mmap.mmap:
-        m = self._maps.get(path)
-        if m is None:
-            f = open(path, "rb")
-            m = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ)
-            self._files[path], self._maps[path] = f, m
-        return m
+    def _fd(self, path: Path) -> int:
+        fd = self._fds.get(path)
+        if fd is None:
+            with self._lock:
+                fd = self._fds.get(path)
+                if fd is None:
+                    try:
+                        fd = self._fds[path] = os.open(path, os.O_RDONLY)
+                    except OSError as e:
+                        raise CheckpointError(f"{path}: cannot open shard: {e.strerror or e}") from None
+        return fd
+
+    def read(self, entry: TensorEntry, begin: int, end: int, into: torch.Tensor | None = None) -> torch.Tensor:
+        """Bytes [begin, end) of `entry`'s data as a uint8 tensor: the first bytes of `into` (uint8 [n]) where they
+        fit, which a stream of blocks reuses (a fresh 64 MB buffer per block costs its page faults every time),
+        else a new tensor."""
+        n = end - begin
+        out = into[:n] if into is not None and into.numel() >= n else torch.empty(n, dtype=torch.uint8)
+        buf = memoryview(out.numpy())
+        fd, at, got = self._fd(entry.file), entry.begin + begin, 0
+        while got < len(buf):
+            try:
+                n = os.preadv(fd, [buf[got:]], at + got)
+            except OSError as e:
+                raise CheckpointError(f"{entry.file}: tensor {shown_name(entry.name)}: cannot read shard: "
+                                      f"{e.strerror or e}") from None
+            if n == 0:
+                raise CheckpointError(
+                    f"{entry.file}: tensor {shown_name(entry.name)}: the shard is now {os.fstat(fd).st_size} bytes, "
+                    f"short of the tensor's data (bytes {entry.begin} to {entry.end}): truncated while being read?"
+                )
+            got += n
+        return out
+
+    def raw(self, entry: TensorEntry, begin: int, end: int, into: torch.Tensor | None = None) -> memoryview:
+        """Bytes [begin, end) of `entry`'s data, read as `read` does."""
+        return memoryview(self.read(entry, begin, end, into).numpy())
 
     def view(self, entry: TensorEntry, first_row: int = 0, rows: int | None = None) -> torch.Tensor:
-        """Rows [first_row, first_row + rows) of `entry` along dim 0 (all rows by default), as a
-        zero-copy read-only tensor over the mapped file."""
+        """Rows [first_row, first_row + rows) of `entry` along dim 0 (all rows by default), read into a new tensor."""
         dtype = DTYPES[entry.dtype]
         if not entry.shape:
-            return self.frombuffer(self.raw(entry, 0, entry.nbytes), dtype).reshape(())
+            return self.read(entry, 0, entry.nbytes).view(dtype).reshape(())
         rows = entry.shape[0] - first_row if rows is None else rows
         row_bytes = entry.nbytes // entry.shape[0] if entry.shape[0] else 0
-        buf = self.raw(entry, first_row * row_bytes, (first_row + rows) * row_bytes)
-        return self.frombuffer(buf, dtype).reshape(rows, *entry.shape[1:])
-
-    @staticmethod
-    def frombuffer(buf: memoryview, dtype: torch.dtype) -> torch.Tensor:
-        if len(buf) == 0:
-            return torch.empty(0, dtype=dtype)
-        with warnings.catch_warnings():
-            warnings.simplefilter("ignore")  # the buffer is read-only; nothing writes to these views
-            return torch.frombuffer(buf, dtype=dtype)
-
-    def raw(self, entry: TensorEntry, begin: int, end: int) -> memoryview:
-        """Bytes [begin, end) of `entry`'s data."""
-        return memoryview(self._map(entry.file))[entry.begin + begin : entry.begin + end]
-
-    def release(self, entry: TensorEntry, begin: int = 0, end: int | None = None) -> None:
-        """Tell the kernel the pages of bytes [begin, end) of `entry` are no longer needed here."""
-        if not hasattr(mmap, "MADV_DONTNEED"):
-            return
-        m = self._map(entry.file)
-        lo = (entry.begin + begin) // mmap.PAGESIZE * mmap.PAGESIZE
-        hi = entry.begin + (entry.nbytes if end is None else end)
-        if hi > lo:
-            m.madvise(mmap.MADV_DONTNEED, lo, hi - lo)
+        data = self.read(entry, first_row * row_bytes, (first_row + rows) * row_bytes)
+        return data.view(dtype).reshape(rows, *entry.shape[1:])
 
     def close(self) -> None:
-        for m in self._maps.values():
-            try:
-                m.close()
-            except BufferError:  # a view is still alive somewhere; the map closes when it goes
-                pass
-        for f in self._files.values():
-            f.close()
-        self._maps.clear()
-        self._files.clear()
+        with self._lock:
+            for fd in self._fds.values():
+                os.close(fd)
+            self._fds.clear()
+
+
+MappedShards = ShardReader  # its former name, which check.py still imports (shards are no longer memory-mapped)
 
 
 @dataclass(frozen=True)

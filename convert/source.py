@@ -22,6 +22,15 @@ SINGLE_NAME = "model.safetensors"
 CONFIG_NAME = "config.json"
 FULL_ATTENTION = "full_attention"
 LINEAR_ATTENTION = "linear_attention"
+# No model comes near this many decoder layers (Qwen3.5's largest has 60); a count beyond it is a damaged config,
+# refused before layer_types is built that long.
+MAX_LAYERS = 100_000
+
+
+def shown_value(value: object) -> str:
+    """A value taken from a JSON file, for a one-line message: its repr, cut short."""
+    shown = repr(value)
+    return shown if len(shown) <= 80 else shown[:80] + "..."
 
 
 @dataclass(frozen=True)
@@ -76,7 +85,7 @@ class ModelConfig:
         """The sizes in `config` (a parsed config.json); a field that is missing or of the wrong type is a
         CheckpointError naming it (`where` names the file)."""
         fields = _ConfigFields(config, where)
-        n_layers = fields.count("num_hidden_layers")
+        n_layers = fields.count("num_hidden_layers", maximum=MAX_LAYERS)
         model_type = fields.raw("model_type", None)
         moe = QWEN35_MODEL_TYPES.get(model_type) if isinstance(model_type, str) else None
         # A MoE model_type needs experts; a dense one has none; an unknown one (tests, tools) goes by num_experts.
@@ -138,13 +147,14 @@ class _ConfigFields:
         return default
 
     def invalid(self, key: str, value: object, wanted: str) -> CheckpointError:
-        shown = repr(value) if len(repr(value)) <= 80 else repr(value)[:80] + "..."
-        return CheckpointError(f"{self.where}: {self.name(key)} must be {wanted}, is {shown}")
+        return CheckpointError(f"{self.where}: {self.name(key)} must be {wanted}, is {shown_value(value)}")
 
-    def count(self, key: str, minimum: int = 1, default: object = ...) -> int:
+    def count(self, key: str, minimum: int = 1, default: object = ..., maximum: int | None = None) -> int:
         value = self.raw(key, default)
-        if not isinstance(value, int) or isinstance(value, bool) or value < minimum:
-            raise self.invalid(key, value, "a positive integer" if minimum else "a non-negative integer")
+        if (not isinstance(value, int) or isinstance(value, bool) or value < minimum
+                or (maximum is not None and value > maximum)):
+            wanted = "a positive integer" if minimum else "a non-negative integer"
+            raise self.invalid(key, value, wanted + (f" of at most {maximum:,}" if maximum else ""))
         return value
 
     def number(self, key: str, default: float) -> float:
@@ -325,7 +335,7 @@ def _expert_problems(experts: str, shapes: Mapping[str, tuple[int, ...]], c: Mod
                 problems.append(p)
         return problems
     indices = sorted({int(m["expert"]) for m in per_expert.values()})
-    if indices != list(range(c.num_experts)):
+    if not _counts_up(indices, c.num_experts):
         found = f"experts {indices[0]}..{indices[-1]} ({len(indices)} of them)" if indices else "no experts"
         problems.append(f"{experts}: {CONFIG_NAME} says num_experts={c.num_experts}, the checkpoint has {found}")
     for e in indices:
@@ -366,6 +376,11 @@ def _layer_problems(prefix: str, tensors: Mapping[str, tuple[int, ...]], kind: s
     return problems
 
 
+def _counts_up(indices: list[int], n: int) -> bool:
+    """Whether the sorted `indices` are 0..n-1 (without building that range: n comes from the config, unbounded)."""
+    return len(indices) == n and indices == list(range(n))
+
+
 def _index_range(indices: list[int]) -> str:
     return f"layers {indices[0]}..{indices[-1]} ({len(indices)} of them)" if indices else "no layers"
 
@@ -381,7 +396,7 @@ def config_problems(c: ModelConfig, shapes: Mapping[str, tuple[int, ...]]) -> li
         return problems
     prefix = text_prefix(shapes)
     layers = _layers(shapes, prefix + "layers.")
-    if sorted(layers) != list(range(c.num_hidden_layers)):
+    if not _counts_up(sorted(layers), c.num_hidden_layers):
         problems.append(f"{CONFIG_NAME}: num_hidden_layers is {c.num_hidden_layers}, the checkpoint has decoder "
                         f"{_index_range(sorted(layers))}")
     for i, kind in enumerate(c.layer_types):
@@ -408,7 +423,7 @@ def _mtp_problems(shapes: Mapping[str, tuple[int, ...]], c: ModelConfig) -> list
     each a full-attention layer."""
     layers = _layers(shapes, MTP_PREFIX + "layers.")
     wanted = c.mtp_num_hidden_layers or len(layers)
-    if sorted(layers) != list(range(wanted)):
+    if not _counts_up(sorted(layers), wanted):
         return [f"{CONFIG_NAME}: mtp_num_hidden_layers is {c.mtp_num_hidden_layers}, the MTP head has "
                 f"{_index_range(sorted(layers))}"]
     problems = []
@@ -468,9 +483,9 @@ def open_source(path: Path) -> SourceCheckpoint:
     config_path = file_inside(path, CONFIG_NAME, "the folder", CheckpointError, also_inside=blobs)
     config = read_json_object(config_path, CheckpointError)
     model_type = config.get("model_type")
-    if model_type not in QWEN35_MODEL_TYPES:
+    if not isinstance(model_type, str) or model_type not in QWEN35_MODEL_TYPES:
         known = ", ".join(sorted(QWEN35_MODEL_TYPES))
-        raise CheckpointError(f"{config_path}: unknown model_type {model_type!r} (npuport converts {known})")
+        raise CheckpointError(f"{config_path}: unknown model_type {shown_value(model_type)} (npuport converts {known})")
     sizes = ModelConfig.from_dict(config, str(config_path))
     shard_names, weight_map, what = _source_shards(path, blobs)
     entries = read_tensors(path, shard_names, what, CheckpointError, weight_map, blobs)

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import inspect
 from collections.abc import Iterator
 
 import torch
@@ -64,8 +65,8 @@ def launch_options(device: torch.device, num_warps: int, num_stages: int = 2, np
     must not follow how the compiler treats each specialisation), the given triton-ascend options (e.g.
     multibuffer) on an NPU, none for the interpreter."""
     if is_gpu(device):
-        return ({"num_warps": num_warps, "num_stages": num_stages} | ({"launch_pdl": True} if dependent else {})
-                | ({} if contract else {"enable_fp_fusion": False}))
+        return ({"num_warps": num_warps, "num_stages": num_stages, "enable_fp_fusion": contract}
+                | ({"launch_pdl": True} if dependent else {}))
     if is_npu(device):
         return dict(npu or {})
     return {}
@@ -142,15 +143,52 @@ def _interpreter_fixes() -> Iterator[None]:
 
     JITFunction.__call__ = lambda self, *args, **kwargs: _interpreted(self.fn)(*args, **kwargs)
     InterpreterBuilder.create_dot, InterpreterBuilder.cast_impl = create_dot, cast_impl
+    language = _language_snapshot()
     try:
         yield
     finally:
         JITFunction.__call__, InterpreterBuilder.create_dot, InterpreterBuilder.cast_impl = call, dot, cast
+        _restore_language(language)
+
+
+def _language_namespaces() -> list[object]:
+    """The modules and classes of triton.language that the interpreter rebinds to its own semantics while a
+    kernel runs."""
+    return [ns for ns in (tl, tl.core, tl.math, tl.core.tensor, getattr(tl.core, "tensor_descriptor_base", None))
+            if ns is not None]
+
+
+def _language_snapshot() -> list[tuple[object, dict]]:
+    return [(ns, dict(vars(ns))) for ns in _language_namespaces()]
+
+
+def _restore_language(snapshot: list[tuple[object, dict]]) -> None:
+    """Put triton.language back as it was before an interpreted launch. The interpreter restores what it rebinds
+    for the kernel itself, but Triton 3.9 also rebinds it for each @jit helper the kernel calls and never
+    restores that: afterwards triton.compile in the same process generates code through the interpreter's
+    semantics and fails ("'block_argument' object has no attribute 'dtype'")."""
+    for ns, saved in snapshot:
+        now = vars(ns)
+        for name in [name for name in now if name not in saved and not inspect.ismodule(now[name])]:
+            delattr(ns, name)
+        for name, value in saved.items():
+            if now.get(name) is not value:
+                setattr(ns, name, value)
+
+
+# Called as observer(kernel, args, kwargs) before every launch, as the launcher made it; a launch that one answers
+# False for is not run (kernels/ascend_lowering.py records launches this way, at widths too large to interpret).
+launch_observers: list = []
 
 
 def launch(kernel, grid: tuple[int, ...], *args, **kwargs) -> None:
     """kernel[grid](*args, **kwargs), through Triton's interpreter when the tensors are on the CPU."""
+    if not all([observe(kernel, args, kwargs) for observe in launch_observers]):
+        return
     device = next(a.device for a in args if isinstance(a, torch.Tensor))
+    if is_gpu(device):  # Triton's default for contraction changes in 3.10: every GPU launch states its own
+        kernel[grid](*args, **({"enable_fp_fusion": True} | kwargs))
+        return
     if not is_cpu(device):
         kernel[grid](*args, **kwargs)
         return

@@ -73,36 +73,63 @@ def _naming(error: OSError, out: BinaryIO) -> OSError:
 
 
 def _hash_and_write(view: memoryview, digest: Any, out: BinaryIO, chunk: int, depth: int) -> None:
-    pieces: queue.Queue[memoryview | None] = queue.Queue(maxsize=depth)
+    """Each thread takes its own views of `view` and releases them itself: only offsets cross between them, so
+    a Ctrl-C raised in this thread at any point never leaves a view that the other thread may still use."""
+    offsets: queue.SimpleQueue[int | None] = queue.SimpleQueue()
+    ahead = threading.Semaphore(depth)  # chunks hashed and not yet written
+    stop = threading.Event()  # a failure or an interrupt: the writer drains the offsets without writing
+    ended = threading.Event()  # the writer holds no view any more
     failure: list[BaseException] = []
 
     def write_all() -> None:
-        while (piece := pieces.get()) is not None:
-            with piece:  # released here, so the mapping can be closed
-                if not failure:
+        try:
+            while (offset := offsets.get()) is not None:
+                if not stop.is_set():
                     try:
-                        write_fully(out, piece)
-                    except BaseException as e:  # reported by the hashing thread; keep draining so it never blocks
+                        with view[offset:offset + chunk] as piece:  # released here, so the mapping can be closed
+                            write_fully(out, piece)
+                    except BaseException as e:  # reported by the hashing thread
                         failure.append(e)
+                        stop.set()
+                ahead.release()
+        finally:
+            ended.set()
 
     writer = threading.Thread(target=write_all, name="copy-writer", daemon=True)
     writer.start()
     try:
         for offset in range(0, len(view), chunk):
-            if failure:
-                break
-            piece = view[offset:offset + chunk]
-            try:
+            with view[offset:offset + chunk] as piece:
                 digest.update(piece)
-                pieces.put(piece)
-            except BaseException:
-                piece.release()
-                raise
+            ahead.acquire()
+            if stop.is_set():
+                break
+            offsets.put(offset)
+    except BaseException:
+        stop.set()
+        raise
     finally:
-        pieces.put(None)
-        writer.join()
+        _wait_for_writer(offsets, stop, ended)
     if failure:
         raise failure[0]
+
+
+def _wait_for_writer(offsets: queue.SimpleQueue, stop: threading.Event, ended: threading.Event) -> None:
+    """Give the writer its end mark and wait until it has ended, however often Ctrl-C or SIGTERM interrupts the
+    wait; the first such interrupt is raised then. The writer holds a view of the memory map: a wait cut short
+    closed the map under it, and the signal ended in a BufferError traceback instead of its own line. Waits on
+    `ended`, not on a join: a join cut short by an interrupt takes the thread for ended (Python 3.11)."""
+    interrupted: BaseException | None = None
+    while True:
+        try:
+            offsets.put(None)
+            ended.wait()
+            break
+        except BaseException as e:
+            stop.set()
+            interrupted = interrupted or e
+    if interrupted is not None:
+        raise interrupted
 
 
 class HashingWriter:

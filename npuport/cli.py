@@ -56,6 +56,9 @@ class _Group(click.Group):
         except NpuportError as e:
             click.echo(f"error: {e}", err=True)
             sys.exit(1)
+        except OSError as e:  # a file the system refused where no check of npuport's came first (a read-only folder)
+            click.echo(f"error: {'' if e.filename is None else f'{e.filename}: '}{e.strerror or e}", err=True)
+            sys.exit(1)
         except KeyboardInterrupt as e:
             signum = getattr(e, "signum", signal.SIGINT)
             click.echo(f"error: stopped by {signal.Signals(signum).name}", err=True)
@@ -160,7 +163,8 @@ def make_tiny_cmd(ctx: click.Context, out: Path, like: str | None, layers: int |
               help="Shards written in parallel; the output bytes do not depend on it.")
 @click.option("--skip-unsupported", is_flag=True,
               help="Convert even if the recipe has steps npuport does not implement (e.g. smoothing); they are listed.")
-@click.option("--part-file-size", type=float, default=None, help="Shard size limit in GB (default: the recipe's, 4).")
+@click.option("--part-file-size", type=float, default=None,
+              help="Shard size limit in GB, a finite number above 0 (default: the recipe's, 4).")
 @click.option("--source-sha256", is_flag=True,
               help="Record the sha256 of every source shard in the manifest (one more read of the source); "
                    "by default a fingerprint of the config, index and shard headers is recorded.")
@@ -357,14 +361,13 @@ def validate_cmd(artifact: Path, gsm8k: bool, protocol: str, data: Path | None, 
     difference and fidelity against the BF16 source; throughput and MTP acceptance; report.json, report.md, plots
     and completions.jsonl. Either side may run on a server (--endpoint, --reference-endpoint). Exits 1 when a gate
     fails."""
-    import json
-
+    from npuport.jsonfile import parse_json
     from npuport.runtime.several_devices import check_split, on_devices
     from npuport.runtime.validation.validate import ValidateOptions, run_validation
 
     try:
-        template_kwargs = json.loads(chat_template_kwargs) if chat_template_kwargs else {}
-    except json.JSONDecodeError as e:
+        template_kwargs = parse_json(chat_template_kwargs) if chat_template_kwargs else {}
+    except ValueError as e:
         raise NpuportError(f"--chat-template-kwargs is not JSON: {e}") from None
     if not isinstance(template_kwargs, dict):
         raise NpuportError("--chat-template-kwargs must be a JSON object")
@@ -395,8 +398,8 @@ def validate_cmd(artifact: Path, gsm8k: bool, protocol: str, data: Path | None, 
 @click.option("--port", type=click.IntRange(0, 65535), default=8000, show_default=True,
               help="0: any free port (the line printed at start names it).")
 @click.option("--host", default="127.0.0.1", show_default=True,
-              help="Loopback by default; 0.0.0.0 serves every network the machine is on (a warning says so; see "
-                   "--api-key).")
+              help="Loopback by default (::1 for IPv6); 0.0.0.0 or :: serves every network the machine is on (a "
+                   "warning says so; see --api-key).")
 @click.option("--served-model-name", default=None, help="The name clients send as `model` (default: MODEL as given).")
 @click.option("--mtp", type=click.IntRange(0, 4), default=0, show_default=True,
               help="MTP speculative decoding with K draft tokens per round (0 = off).")
@@ -404,10 +407,21 @@ def validate_cmd(artifact: Path, gsm8k: bool, protocol: str, data: Path | None, 
               help="Rows (prompts x n) generated together: requests in flight share a batch up to this many.")
 @click.option("--max-tokens-limit", type=click.IntRange(min=1), default=4096, show_default=True,
               help="The largest max_tokens a request may ask for (the model's context bounds it as well).")
+@click.option("--max-prompt-tokens", type=click.IntRange(min=1), default=32768, show_default=True,
+              help="The most tokens a prompt may have (the model's context bounds it as well).")
+@click.option("--header-timeout", "header_timeout_s", type=click.FloatRange(min=0, min_open=True), default=5.0,
+              show_default=True, help="Seconds a client has, from connecting, to send its request line and headers.")
 @click.option("--request-timeout", "request_timeout_s", type=click.FloatRange(min=0, min_open=True), default=30.0,
-              show_default=True, help="Seconds a client has to send its whole request; slower ones are dropped.")
+              show_default=True, help="Seconds a client then has to send the body; slower ones are dropped.")
 @click.option("--max-connections", type=click.IntRange(min=1), default=32, show_default=True,
-              help="Connections served at once; more are answered 503.")
+              help="Requests served at once, counted once a request has arrived whole (with the API key); more are "
+                   "answered 503.")
+@click.option("--max-pending-connections", type=click.IntRange(min=1), default=256, show_default=True,
+              help="Connections still sending their requests at once (each within the timeouts above); more are "
+                   "answered 503.")
+@click.option("--allow-client-chat-template", is_flag=True, default=False,
+              help="Let a chat request bring its own chat template (chat_template). A template is code the server "
+                   "runs, with no bound on the memory it takes: only for clients trusted with the machine.")
 @click.option("--api-key", envvar="NPUPORT_API_KEY", show_envvar=True, default=None,
               help="Require 'Authorization: Bearer KEY' on every /v1 request (prefer the environment variable: a "
                    "command line is visible to other users of the machine).")
@@ -416,8 +430,9 @@ def validate_cmd(artifact: Path, gsm8k: bool, protocol: str, data: Path | None, 
 @dtype_option
 @click.option("--quiet", is_flag=True, help="Do not log each request.")
 def serve_cmd(model: Path, port: int, host: str, served_model_name: str | None, mtp: int, max_batch_size: int,
-              max_tokens_limit: int, request_timeout_s: float, max_connections: int, api_key: str | None,
-              device: str | None, devices: int, dtype: str, quiet: bool) -> None:
+              max_tokens_limit: int, max_prompt_tokens: int, header_timeout_s: float, request_timeout_s: float,
+              max_connections: int, max_pending_connections: int, allow_client_chat_template: bool,
+              api_key: str | None, device: str | None, devices: int, dtype: str, quiet: bool) -> None:
     """Serve MODEL (a W8A8 artifact or BF16 source) on the built-in runtime as an OpenAI-compatible endpoint:
     POST /v1/completions and /v1/chat/completions (logprobs, echo, n, stream; prompts as text or token ids; chat
     through the model's own template), GET /v1/models and /health. Requests in flight are batched together: one
@@ -428,11 +443,14 @@ def serve_cmd(model: Path, port: int, host: str, served_model_name: str | None, 
     from npuport.runtime.validation.serve import ServeLimits, serve_model
 
     check_split(model, devices)
+    limits = ServeLimits(max_tokens=max_tokens_limit, request_timeout_s=request_timeout_s,
+                         max_connections=max_connections, max_prompt_tokens=max_prompt_tokens,
+                         header_timeout_s=header_timeout_s, max_pending_connections=max_pending_connections,
+                         allow_client_chat_template=allow_client_chat_template)
     serve = functools.partial(
         serve_model, model, host=host, port=port, served_model=served_model_name, device=device, dtype=dtype,
-        mtp=mtp, max_batch_size=max_batch_size, limits=ServeLimits(max_tokens_limit, request_timeout_s,
-                                                                   max_connections),
-        api_key=api_key, announce=click.echo, log=None if quiet else echo_to_stderr, warn=echo_to_stderr)
+        mtp=mtp, max_batch_size=max_batch_size, limits=limits, api_key=api_key, announce=click.echo,
+        log=None if quiet else echo_to_stderr, warn=echo_to_stderr)
     on_devices(serve, (), devices, device)
 
 

@@ -1,14 +1,19 @@
 """Where convert and package put their output: built in a hidden `.OUT.npuport-partial` beside OUT and swapped
 into place when complete, so that OUT is always absent, the previous one or the new one - after an error, a
-signal or a kill (the next run puts right what a kill left). And the rule for --force: only an output npuport
-wrote, or an empty folder, is ever replaced. Imports only the shared helpers."""
+signal or a kill (the next run puts right what a kill left). One run at a time writes an OUT: a second one is
+refused while the first holds OUT's lock. And the rule for --force: only an output npuport wrote, or an empty
+folder, is ever replaced. Imports only the shared helpers."""
 
 from __future__ import annotations
 
+import errno
+import fcntl
 import json
 import os
+import shlex
 import shutil
 import signal
+import sys
 import threading
 from collections.abc import Callable, Iterator, Mapping
 from contextlib import contextmanager
@@ -16,7 +21,7 @@ from pathlib import Path
 
 from npuport.checksums import SUMS_NAME, parse_sums
 from npuport.errors import NpuportError
-from npuport.jsonfile import read_json_object
+from npuport.jsonfile import parse_json, read_json_object
 
 GB = 1024**3
 MANIFEST_NAME = "npuport_manifest.json"
@@ -25,6 +30,8 @@ PARTIAL = ".npuport-partial"  # being written
 OLD = ".npuport-old"  # the output being replaced, set aside until the new one is in place
 SWAPPING = ".npuport-swapping"  # the names a swap is moving into place; present until the last rename is done
 SWAPPED = ".npuport-swapped"  # every rename done; only what was set aside remains to be deleted
+LOCK = ".npuport-lock"  # flock(2)ed by the run writing OUT; records its pid and command
+MAX_LOCK_BYTES = 64 * 1024  # what is read of a lock file to name its holder
 HELD_SIGNALS = tuple(s for s in (signal.SIGINT, signal.SIGTERM, getattr(signal, "SIGHUP", None)) if s is not None)
 MAX_SUMS_BYTES = 1 << 20  # a SHA256SUMS larger than this is not one npuport wrote (and is not read whole)
 FREE_MARGIN = 0.98  # leave 2% of the free space: file systems reserve some, and the small files are not counted
@@ -42,22 +49,23 @@ def archive_paths(out: Path) -> tuple[Path, Path]:
 
 
 @contextmanager
-def signals_held() -> Iterator[None]:
+def signals_held(arrived: list[int] | None = None) -> Iterator[None]:
     """Hold SIGINT, SIGTERM and SIGHUP while renames or a cleanup run that must not be cut in half; a signal that
-    arrives meanwhile is delivered, to the handler in place before, once they are done. Python runs signal
-    handlers in the main thread only, so elsewhere this holds nothing (and needs not)."""
+    arrives meanwhile is delivered, to the handler in place before, once they are done - or, given `arrived`,
+    only recorded there, for the caller to say what it did. Python runs signal handlers in the main thread only,
+    so elsewhere this holds nothing (and needs not)."""
     if threading.current_thread() is not threading.main_thread():
         yield
         return
-    arrived: list[int] = []
-    previous = {s: signal.signal(s, lambda signum, frame: arrived.append(signum)) for s in HELD_SIGNALS}
+    caught: list[int] = [] if arrived is None else arrived
+    previous = {s: signal.signal(s, lambda signum, frame: caught.append(signum)) for s in HELD_SIGNALS}
     try:
         yield
     finally:
         for s, handler in previous.items():
             signal.signal(s, handler if handler is not None else signal.SIG_DFL)
-        if arrived:
-            signal.raise_signal(arrived[0])
+        if caught and arrived is None:
+            signal.raise_signal(caught[0])
 
 
 def why_not_replaceable(folder: Path) -> str | None:
@@ -164,12 +172,34 @@ def _remove(path: Path) -> None:
         path.unlink(missing_ok=True)
 
 
+def _this_command() -> str:
+    """This process's command line, as a lock file records it for a run it refuses."""
+    return shlex.join([Path(sys.argv[0]).name, *sys.argv[1:]]) if sys.argv else "python"
+
+
+def _holder(fd: int) -> str:
+    """` (pid N: COMMAND)` from the lock file `fd`, or "" where it records neither (being written, or not
+    npuport's)."""
+    try:
+        holder = parse_json(os.pread(fd, MAX_LOCK_BYTES, 0).decode("utf-8", errors="replace"))
+        pid, command = holder["pid"], holder["command"]
+    except (OSError, ValueError, TypeError, KeyError):
+        return ""
+    return f" (pid {pid}: {' '.join(str(command).split())})"
+
+
 class OutputFolder:
     """The output folder OUT of a command, written through `.OUT.npuport-partial` beside it. With `archive`, OUT.tar
     and OUT.tar.sha256 belong to it: placed just before OUT, replaced and removed with it.
 
     Use: `prepare` (put right what a killed run left, refuse what may not be replaced), then `with building(...)
-    as tmp:` write into tmp and call `commit` last. Errors are `error`, one line naming OUT or the file."""
+    as tmp:` write into tmp and call `commit` last. Errors are `error`, one line naming OUT or the file.
+
+    While it changes anything beside OUT - puts leftovers right, writes, swaps - a run holds OUT's lock,
+    `.OUT.npuport-lock` (flock: the kernel releases it when the process ends, however it ends), and a second run
+    is refused at once, naming the first. `prepare` holds it only while it puts right and looks; `building` takes
+    it again, looks again (the first look may be out of date) and holds it to the end. So a run that fails
+    between the two never keeps OUT locked, whatever it does with the error."""
 
     def __init__(self, out: Path, error: type[NpuportError] = NpuportError, log: Callable[[str], None] = print, *,
                  archive: bool = False) -> None:
@@ -179,32 +209,42 @@ class OutputFolder:
         self.error, self.log = error, log
         self.finals = [*archive_paths(self.out), self.out] if archive else [self.out]  # OUT last: moved in last
         self.replacing: list[Path] = []
+        self.force = False
+        self.unlocked = False  # OUT's folder does not take locks (warned once)
 
     def partial(self, final: Path | None = None) -> Path:
         """Where `final` (OUT by default) is written until it is moved into place."""
         return hidden(self.out if final is None else final, PARTIAL)
 
     def prepare(self, inputs: Mapping[str, Path | None], force: bool) -> None:
-        """Put right what an interrupted run left beside OUT; then refuse an OUT that is, contains or lies inside
-        one of `inputs` ({what: path}), or that exists and is not npuport's to replace, or exists without `force`."""
-        self.recover()
+        """Refuse an OUT that is, contains or lies inside one of `inputs` ({what: path}); then, holding OUT's lock,
+        put right what an interrupted run left beside OUT and refuse an OUT that exists and is not npuport's to
+        replace, or exists without `force`."""
         for what, path in inputs.items():
             relation = None if path is None else _relation(self.out, Path(path))
             if relation:
                 raise self.error(f"{self.out} {relation} the {what} {path}; write the output to a separate folder")
         if _relation(self.out, Path.cwd()) in ("is", "contains"):  # the swap would pull the folder from under us
             raise self.error(f"{self.out} is or contains the current folder; run the command from outside it")
+        self.force = force
+        if self.out.parent.is_dir():  # else nothing is there yet: building creates the folder
+            with self._locked():
+                self.recover()
+                self._look()
+
+    def _look(self) -> None:
+        """Set `replacing` to the outputs that exist and that this run replaces; refuse what it may not."""
         existing = [f for f in self.finals if os.path.lexists(f)]
         for final in existing:
             why = self._why_not_ours(final)
             if why:
                 raise self.error(f"{final} already exists, and --force would not replace it: {why} (npuport "
                                  "replaces only an output it wrote, or an empty folder)")
-        if existing and not force:
+        if existing and not self.force:
             raise self.error(f"{existing[0]} already exists; pass --force to replace it")
-        self.replacing = existing
-        if existing:
+        if existing and existing != self.replacing:
             self.log(f"replacing {', '.join(str(f) for f in existing)} once the new output is complete")
+        self.replacing = existing
 
     def _why_not_ours(self, final: Path) -> str | None:
         if final == self.out:
@@ -216,40 +256,98 @@ class OutputFolder:
         """The new, empty partial folder to write the output into, once the disk has room for `needed` bytes
         (`what`: "artifact", "release", for messages). Whatever stops the writing - an error, Ctrl-C, SIGTERM -
         everything partial is removed and the previous output kept; an OSError (a full disk...) becomes one line
-        naming the file. Call after `prepare`, which removes stale partials so that they are not counted."""
-        self.out.parent.mkdir(parents=True, exist_ok=True)
-        self._check_space(needed, what)
-        tmp = self.partial()
-        tmp.mkdir()
+        naming the file. Call after `prepare`. Holds OUT's lock until it ends, and first does again under it what
+        `prepare` did: put leftovers right (so that stale partials are not counted) and look at what exists."""
         try:
-            yield tmp
+            self.out.parent.mkdir(parents=True, exist_ok=True)
         except OSError as e:
-            self.discard()
-            raise self.error(self._write_failure(e)) from None
-        except BaseException:
-            self.discard()
-            raise
+            raise self.error(self._cannot_write(e)) from None
+        with self._locked():
+            self.recover()
+            self._look()
+            self._check_space(needed, what)
+            tmp = self.partial()
+            try:
+                tmp.mkdir()
+            except OSError as e:
+                raise self.error(self._cannot_write(e)) from None
+            try:
+                yield tmp
+            except OSError as e:
+                self.discard()
+                raise self.error(self._write_failure(e)) from None
+            except BaseException:
+                self.discard()
+                raise
+
+    @contextmanager
+    def _locked(self) -> Iterator[None]:
+        """Hold OUT's lock, or refuse at once, naming the run that holds it."""
+        path = hidden(self.out, LOCK)
+        with signals_held():  # taken and released whole: a lock left open would block every later run
+            while True:
+                try:  # never through a symbolic link: truncating what it points to would destroy that file
+                    fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC | os.O_NOFOLLOW, 0o644)
+                except OSError as e:
+                    if e.errno == errno.ELOOP:
+                        raise self.error(f"{path} is a symbolic link, which npuport's lock file never is; remove "
+                                         "it") from None
+                    raise self.error(self._cannot_write(e)) from None
+                try:
+                    fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+                except BlockingIOError:
+                    holder = _holder(fd)
+                    os.close(fd)
+                    raise self.error(f"{self.out} is being written by another npuport run{holder}; wait for it "
+                                     "to end, or stop it") from None
+                except OSError as e:  # a file system without flock (some network and FUSE ones): go on unlocked
+                    if not self.unlocked:
+                        self.log(f"warning: {path.parent} does not take locks ({e.strerror or e}); another run "
+                                 f"writing {self.out} at the same time would not be refused")
+                    self.unlocked = True
+                    break
+                try:
+                    same = os.path.samestat(os.stat(path), os.fstat(fd))
+                except FileNotFoundError:
+                    same = False
+                if same:
+                    break
+                os.close(fd)  # the file its last holder removed when it was done: lock the one now at `path`
+            os.ftruncate(fd, 0)
+            os.write(fd, json.dumps({"pid": os.getpid(), "command": _this_command()}).encode("utf-8"))
+        try:
+            yield
+        finally:
+            with signals_held():
+                path.unlink(missing_ok=True)  # while held: a run that opened it meanwhile sees it gone, retries
+                os.close(fd)
 
     def commit(self) -> None:
         """Move the finished output into place: set aside what it replaces, move each partial in (OUT last), then
         delete what was set aside. Until the last rename a kill is rolled back by the next run (the previous output
-        comes back), after it the swap is finished; signals wait until the renames are done."""
+        comes back), after it the swap is finished. Signals wait until all this is done; then the new output is in
+        place and complete, so a signal that came meanwhile has nothing left to stop: it is told in a log line, and
+        the run goes on to its end as a run that succeeded."""
         placing = [f for f in self.finals if os.path.lexists(self.partial(f))]
         appeared = [f for f in self.finals if os.path.lexists(f) and f not in self.replacing]
         if appeared:
             raise self.error(f"{appeared[0]} appeared while the output was written; it was left as it is")
         swapping, swapped = hidden(self.out, SWAPPING), hidden(self.out, SWAPPED)
-        with signals_held():
+        arrived: list[int] = []
+        with signals_held(arrived):
             swapping.write_text(json.dumps([f.name for f in placing]), encoding="utf-8")
             for final in self.replacing:
                 final.rename(hidden(final, OLD))
             for final in placing:
                 self.partial(final).rename(final)
             swapping.rename(swapped)
-        for final in self.replacing:
-            _remove(hidden(final, OLD))
-        swapped.unlink()
+            for final in self.replacing:
+                _remove(hidden(final, OLD))
+            swapped.unlink()
         self.replacing = []
+        if arrived:
+            self.log(f"{signal.Signals(arrived[0]).name} arrived while {self.out} was moved into place; the new "
+                     "output is complete, so the run ends as done")
 
     def discard(self) -> None:
         """After a failure: remove everything partial and put back what was set aside (the previous output)."""
@@ -280,7 +378,7 @@ class OutputFolder:
         """The outputs an interrupted swap had already moved into place: those it names whose partial is gone. The
         journal is written whole before anything moves; one that cannot be read means nothing moved."""
         try:
-            names = json.loads(swapping.read_text(encoding="utf-8"))
+            names = parse_json(swapping.read_text(encoding="utf-8"))
         except (OSError, ValueError):
             return []
         known = {f.name: f for f in self.finals}  # never a name from the file itself
@@ -312,6 +410,12 @@ class OutputFolder:
                  for p in sorted([*parent.glob(f".*{PARTIAL}"), *parent.glob(f".*{OLD}")])]
         raise self.error(f"not enough disk space in {parent}: the {what} needs {needed / GB:.2f} GB, "
                          f"{free / GB:.2f} GB free" + ("; space is held by " + ", ".join(held) if held else ""))
+
+    def _cannot_write(self, error: OSError) -> str:
+        """One line for a folder that refuses what npuport writes beside OUT (read-only, not permitted...)."""
+        folder = Path(os.fsdecode(error.filename)).parent if error.filename is not None else self.out.parent
+        state = "is unchanged" if os.path.lexists(self.out) else "was not written"
+        return f"cannot write in {folder}: {error.strerror or error}; {self.out} {state}"
 
     def _write_failure(self, error: OSError) -> str:
         """One line for an OSError met while writing: the file (as it would be named in OUT), the reason, and that

@@ -1,4 +1,4 @@
-"""Generation: prefill (one pass or in chunks), decode, and MTP speculative decoding - draft k tokens with
+"""Generation: prefill (in chunks of bounded width), decode, and MTP speculative decoding - draft k tokens with
 the MTP head, verify k + 1 positions in one target forward, accept, commit per request - with stop tokens,
 max tokens and acceptance statistics per draft position (QWEN35.md, "Verify, accept, commit")."""
 
@@ -78,28 +78,31 @@ class GenerationResult:
 
 StopCheck = Callable[[int, list[int]], bool]  # (request index, its tokens so far) -> stop it now
 TokenSink = Callable[[int, list[int]], None]  # (request index, the tokens it just produced)
+FinishSink = Callable[[int, list[int], str], None]  # (request index, all its tokens, why it ended)
 STOP_CHECK_EVERY = 8  # tokens between two calls of a request's stop check
 SYNC_EVERY = 8  # decode steps / MTP rounds the device runs between two looks of the host at their tokens
 
 
 class _Outputs:
     """The tokens each request has produced, and why it finished (None while it runs). max_new_tokens: each
-    request's limit; on_tokens hears of every request's new tokens as they are added."""
+    request's limit; on_tokens hears of every request's new tokens as they are added, on_finish of each request's
+    end once it is decided."""
 
     def __init__(self, max_new_tokens: Sequence[int], stop_tokens: Iterable[int],
-                 should_stop: StopCheck | None = None, on_tokens: TokenSink | None = None) -> None:
+                 should_stop: StopCheck | None = None, on_tokens: TokenSink | None = None,
+                 on_finish: FinishSink | None = None) -> None:
         batch = len(max_new_tokens)
         self.max_new_tokens, self.stop_tokens = list(max_new_tokens), frozenset(stop_tokens)
         self.tokens: list[list[int]] = [[] for _ in range(batch)]
         self.reasons: list[str | None] = [None] * batch
-        self.should_stop, self.on_tokens = should_stop, on_tokens
+        self.should_stop, self.on_tokens, self.on_finish = should_stop, on_tokens, on_finish
         self._checked = [0] * batch  # how many tokens each request had at its last stop check
 
     def add(self, new: torch.Tensor, counts: torch.Tensor) -> None:
         """Append the first counts[b] tokens of new[b] ([B, n]) to unfinished request b, up to a stop token
         or its max_new_tokens."""
         for b, (row, n) in enumerate(zip(new.tolist(), counts.tolist(), strict=True)):
-            before = len(self.tokens[b])
+            before, running = len(self.tokens[b]), self.reasons[b] is None
             for tok in row[:n]:
                 if self.reasons[b] is not None:
                     break
@@ -115,6 +118,8 @@ class _Outputs:
                 self._checked[b] = len(self.tokens[b])
                 if self.should_stop(b, self.tokens[b]):
                     self.reasons[b] = "stop"
+            if self.on_finish is not None and running and self.reasons[b] is not None:
+                self.on_finish(b, self.tokens[b], self.reasons[b])
 
     def active(self, device: torch.device) -> torch.Tensor:
         return torch.tensor([r is None for r in self.reasons], device=device)
@@ -171,16 +176,32 @@ def pad_prompts(prompts: Sequence[Sequence[int]], device: torch.device) -> tuple
     return tokens, lengths
 
 
+# The most positions (rows x width) one chunk of a prefill takes at once: a chunk's attention holds a mask (and
+# scores) of its positions x the context, so a prompt of any length costs that much at a time, not its length
+# squared (an 8k-token prompt in one pass took 230 MB more on a tiny model, 32k tokens 5 GB).
+PREFILL_CHUNK_POSITIONS = 2048
+
+
+def prefill_chunk_width(batch: int) -> int:
+    """The width of a prefill's chunks when the caller names none: PREFILL_CHUNK_POSITIONS over the rows."""
+    return max(1, PREFILL_CHUNK_POSITIONS // batch)
+
+
 def prefill(model: Qwen35, state: ModelState, tokens: torch.Tensor, lengths: torch.Tensor,
             chunk_size: int | None = None, hidden_states: list[torch.Tensor] | None = None) -> torch.Tensor:
-    """Run tokens [B, T] (row b real up to lengths[b]) through the target in one pass or in chunks of
-    chunk_size, committing them. Returns the final-normed hidden [B, T, hidden]."""
-    chunk = chunk_size or tokens.shape[1]
-    out = []
+    """Run tokens [B, T] (row b real up to lengths[b]) through the target in chunks of chunk_size tokens
+    (default: prefill_chunk_width(B)), committing them. Returns the final-normed hidden [B, T, hidden];
+    hidden_states, if given, receives forward's list, each entry [B, T, hidden] gathered over the chunks."""
+    chunk = chunk_size or prefill_chunk_width(tokens.shape[0])
+    out, per_chunk = [], []
     for s in range(0, tokens.shape[1], chunk):
         n_valid = (lengths - s).clamp(0, min(chunk, tokens.shape[1] - s))
-        out.append(model(tokens[:, s : s + chunk], state, n_valid, hidden_states))
+        states: list[torch.Tensor] | None = None if hidden_states is None else []
+        out.append(model(tokens[:, s : s + chunk], state, n_valid, states))
         commit_accepted(state, n_valid)
+        per_chunk.append(states)
+    if hidden_states is not None:
+        hidden_states.extend(torch.cat(parts, dim=1) for parts in zip(*per_chunk, strict=True))
     return torch.cat(out, dim=1)
 
 
@@ -233,10 +254,10 @@ def mtp_prefill_chunk(model: Qwen35, state: ModelState, next_tokens: torch.Tenso
 def mtp_prefill(run: Callable, state: ModelState, next_tokens: torch.Tensor, hidden: torch.Tensor,
                 lengths: torch.Tensor, chunk_size: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """Fill the MTP head's cache over the prompt: row t pairs next_tokens[:, t] (the token after t) with the
-    target's hidden[:, t], in chunks of chunk_size, each through run(state, next_tokens, hidden, last, n_valid)
-    (mtp_prefill_chunk with the model, or its captured graph). Returns logits [B, V] and the head's output
-    [B, hidden] at each last real row."""
-    chunk = chunk_size or next_tokens.shape[1]
+    target's hidden[:, t], in chunks of chunk_size (default: prefill_chunk_width(B)), each through run(state,
+    next_tokens, hidden, last, n_valid) (mtp_prefill_chunk with the model, or its captured graph). Returns logits
+    [B, V] and the head's output [B, hidden] at each last real row."""
+    chunk = chunk_size or prefill_chunk_width(next_tokens.shape[0])
     logits = outs = None
     for s in range(0, next_tokens.shape[1], chunk):
         n_valid = (lengths - s).clamp(0, min(chunk, next_tokens.shape[1] - s))
@@ -570,7 +591,7 @@ def generate(model: Qwen35, prompts: Sequence[Sequence[int]], max_new_tokens: in
              sampling: SamplingParams | None = None, stop_tokens: Iterable[int] = (),
              prefill_chunk: int | None = None, graphs: bool | None = None,
              should_stop: StopCheck | None = None, invariant: bool | None = None,
-             on_tokens: TokenSink | None = None) -> GenerationResult:
+             on_tokens: TokenSink | None = None, on_finish: FinishSink | None = None) -> GenerationResult:
     """Generate up to max_new_tokens for each prompt (token ids; a batch may mix lengths; one limit for all, or
     one per prompt), with MTP speculative decoding of `mtp` drafts per round (0 = plain decoding). Greedy at
     temperature 0. graphs: capture each decode / verify / draft step as a device graph (default: see use_graphs).
@@ -578,7 +599,8 @@ def generate(model: Qwen35, prompts: Sequence[Sequence[int]], max_new_tokens: in
     produced; True ends that request ("stop"), e.g. once its text holds a stop string. The tokens it produced
     up to then are the same as without the check (requests of a batch do not affect each other).
     on_tokens(index, new): the tokens request `index` has just produced, as the host sees them (every few steps),
-    up to its end: a stream's source.
+    up to its end: a stream's source. on_finish(index, tokens, reason): request `index` has ended, with all of
+    its tokens, as soon as the host knows (a batch's other requests may still run).
     invariant: batch-invariant decode and verify steps (default: see use_invariance), meant to make greedy MTP
     output greedy output bit for bit."""
     sampling = sampling or SamplingParams()
@@ -598,7 +620,7 @@ def generate(model: Qwen35, prompts: Sequence[Sequence[int]], max_new_tokens: in
     generator = make_generator(sampling.seed, device)
     rows = planned_rows(batch) if use_invariance(model, invariant, mtp) else None
     capacity = tokens.shape[1] + max(limits) + mtp + 1
-    out = _Outputs(limits, stop_tokens, should_stop, on_tokens)
+    out = _Outputs(limits, stop_tokens, should_stop, on_tokens, on_finish)
     with reusable_steps(model, batch, capacity, mtp, graphs, rows) as steps, batch_invariant(rows):
         return _generate(model, steps, tokens, lengths, out, mtp, sampling, generator, prefill_chunk)
 
@@ -649,8 +671,15 @@ def forward_logits(model: Qwen35, prompts: Sequence[Sequence[int]]) -> tuple[tor
     """One prefill from empty caches, for fidelity checks: logits [B, T, V] (rows past a prompt's length
     are padding) and the hidden states transformers' output_hidden_states gives (embeddings, outputs of
     layers 0..n-2, final normed hidden), each [B, T, hidden]."""
-    tokens, lengths = pad_prompts(prompts, model.device)
-    state = model.new_state(len(prompts), tokens.shape[1])
     hidden_states: list[torch.Tensor] = []
-    hidden = prefill(model, state, tokens, lengths, hidden_states=hidden_states)
-    return model.logits(hidden), hidden_states
+    return model.logits(prefilled_hidden(model, prompts, hidden_states)), hidden_states
+
+
+def prefilled_hidden(model: Qwen35, prompts: Sequence[Sequence[int]],
+                     hidden_states: list[torch.Tensor] | None = None) -> torch.Tensor:
+    """The final-normed hidden [B, T, hidden] of one chunked prefill from empty caches (rows past a prompt's
+    length are padding): what the logits are computed from, a chunk of positions at a time where [T, V] logits
+    would not fit."""
+    tokens, lengths = pad_prompts(prompts, model.device)
+    return prefill(model, model.new_state(len(prompts), tokens.shape[1]), tokens, lengths,
+                   hidden_states=hidden_states)

@@ -27,7 +27,7 @@ from npuport.runtime.parallel import Parallel
 _CALLS: dict[str, Callable] = {}  # name -> the undecorated function, for the followers
 _LOAD, _STOP = "load", "stop"
 _STOP_CHECK = "should_stop"
-_RANK_0_ONLY = ("on_tokens",)  # host callbacks that only rank 0 runs (a stream's sink); the others get None
+_RANK_0_ONLY = ("on_tokens", "on_finish")  # host callbacks that only rank 0 runs (sinks); the others get None
 
 
 class _Driver:

@@ -145,6 +145,9 @@ def _rank_main(rank: int, fn, args: tuple, world: int, kind: str, store_port: in
     """One spawned rank: join the group, run fn, send ("ok", rank 0's result) or ("error", priority, one-line
     message, traceback) to the parent. On failure it exits without tearing the group down: after a failed
     collective that can block (NCCL), and exiting frees it."""
+    # torch's spawn makes the parent's death deliver SIGINT here; a rank of a command started in the background
+    # (SIGINT ignored, as shells without job control start it) would ignore that too and outlive its parent.
+    signal.signal(signal.SIGINT, signal.default_int_handler)
     for other, writer in enumerate(writers):
         if other != rank:
             writer.close()

@@ -3,7 +3,6 @@ requests, generate, and report token ids, text and acceptance statistics."""
 
 from __future__ import annotations
 
-import json
 from collections.abc import Sequence
 from pathlib import Path
 
@@ -11,6 +10,7 @@ import torch
 
 from npuport.devices import pick_device
 from npuport.errors import NpuportError
+from npuport.jsonfile import read_json_object
 from npuport.runtime.generate import generate, use_invariance
 from npuport.runtime.loader import load_model
 from npuport.runtime.sampling import SamplingParams
@@ -30,12 +30,20 @@ def parse_prompt_ids(text: str) -> list[int]:
 
 
 def load_tokenizer(model_dir: Path):
-    """The folder's tokenizer (transformers), or None when it has none."""
+    """The folder's tokenizer (transformers), or None when it has none. A damaged tokenizer file is one NpuportError
+    naming it (or, where the tokenizers library refuses it, the folder)."""
     if not any((Path(model_dir) / name).exists() for name in ("tokenizer.json", "tokenizer_config.json")):
         return None
     from transformers import AutoTokenizer
 
-    return AutoTokenizer.from_pretrained(str(model_dir))
+    for name in ("tokenizer_config.json", "tokenizer.json"):
+        if (Path(model_dir) / name).exists():  # transformers reads them unchecked: a list, deep nesting: a traceback
+            read_json_object(Path(model_dir) / name)
+    try:
+        return AutoTokenizer.from_pretrained(str(model_dir))
+    except Exception as e:  # the tokenizers library raises a bare Exception for a tokenizer.json it cannot build
+        first_line = (str(e).strip().splitlines() or [""])[0][:200]
+        raise NpuportError(f"{model_dir}: the tokenizer does not load ({type(e).__name__}: {first_line})") from None
 
 
 def stop_token_ids(model_dir: Path) -> list[int]:
@@ -43,7 +51,7 @@ def stop_token_ids(model_dir: Path) -> list[int]:
     for name in ("generation_config.json", "config.json"):
         path = Path(model_dir) / name
         if path.exists():
-            config = json.loads(path.read_text(encoding="utf-8"))
+            config = read_json_object(path)
             eos = config.get("eos_token_id", (config.get("text_config") or {}).get("eos_token_id"))
             if eos is not None:
                 return [eos] if isinstance(eos, int) else list(eos)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import signal
 from pathlib import Path
 
 import pytest
@@ -14,6 +15,17 @@ CHECKPOINT_KINDS = {
     "moe-multimodal-fused": TinySpec(arch="moe", layout="multimodal", mtp_experts="fused"),
     "moe-text-per-expert": TinySpec(arch="moe", layout="text", mtp_experts="per-expert"),
 }
+
+
+@pytest.fixture(scope="session", autouse=True)
+def signals_of_a_foreground_command() -> None:
+    """The signal tests send SIGINT as Ctrl-C reaches a command run in a terminal. A suite started in the background
+    of a script without job control (`pytest ... &`, as runners and nohup start it) inherits SIGINT ignored, and so
+    does every command it starts, which then rightly ignores Ctrl-C: those tests would fail for a reason not theirs.
+    So the suite takes a foreground command's dispositions (its children inherit them)."""
+    if signal.getsignal(signal.SIGINT) is signal.SIG_IGN:
+        signal.signal(signal.SIGINT, signal.default_int_handler)
+    signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGINT, signal.SIGTERM, signal.SIGHUP})
 
 
 @pytest.fixture(scope="session")

@@ -174,13 +174,16 @@ def test_static_scheme_is_refused(dense_src, tmp_path):
 
 def test_fused_pieces_share_a_label(dense_src, tmp_path):
     recipe = tmp_path / "r.yaml"
+    # the dense MLP quantized too: a recipe that would quantize nothing is refused
     recipe.write_text(MSMODELSLIM_STYLE_MOE.replace('exclude: ["*self_attn.o_proj*"]',
-                                                    'exclude: ["*self_attn.o_proj*", "*k_proj*"]'))
+                                                    'exclude: ["*self_attn.o_proj*", "*k_proj*"]')
+                      .replace('include: ["*mlp.experts*"]', 'include: ["*mlp*"]'))
     out = tmp_path / "out"
     assert run_convert(dense_src, out, "--recipe", str(recipe)).exit_code == 0
     desc = json.loads((out / "quant_model_description.json").read_text())
     p = "model.language_model.layers.3.self_attn."
     assert {desc[p + x + ".weight"] for x in ("q_proj", "k_proj", "v_proj")} == {"FLOAT"}
+    assert desc["model.language_model.layers.3.mlp.up_proj.weight"] == "W8A8_DYNAMIC"
 
 
 def artifact_bytes(folder: Path) -> dict[str, bytes]:

@@ -69,6 +69,14 @@ def test_wilson_interval_matches_the_published_table():
     assert low == pytest.approx(0.0, abs=1e-12) and high == pytest.approx(0.2775, abs=1e-4)
 
 
+@pytest.mark.parametrize("n", [1, 7, 10, 200])
+def test_wilson_interval_holds_its_accuracy_and_is_exact_at_none_and_all_correct(n):
+    for k in range(n + 1):
+        low, high = wilson_interval([True] * k + [False] * (n - k))
+        assert 0.0 <= low <= k / n <= high <= 1.0, (k, n, low, high)
+    assert wilson_interval([False] * n)[0] == 0.0 and wilson_interval([True] * n)[1] == 1.0
+
+
 def test_compare_paired_reports_candidate_minus_reference():
     ref, cand = _pairs(both=80, only_ref=2, only_cand=10, neither=8)
     c = compare_paired(ref, cand, seed=0, resamples=500)

@@ -187,18 +187,25 @@ run_on_ranks(sleep_on_every_rank, (Path(sys.argv[2]),), 2, "cpu")
 
 
 # Ctrl-C: run_on_ranks' cleanup runs; SIGKILL: none does, the ranks go by the parent-death signal torch gives them
-@pytest.mark.parametrize("signum", [signal.SIGINT, signal.SIGKILL], ids=["SIGINT", "SIGKILL"])
-def test_stopping_the_parent_stops_the_ranks(tmp_path, signum):
+# (SIGINT) - also when the parent was started in the background, with SIGINT ignored, which its ranks inherit.
+def ignore_sigint() -> None:
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+
+
+@pytest.mark.parametrize("signum, started", [(signal.SIGINT, None), (signal.SIGKILL, None),
+                                             (signal.SIGKILL, ignore_sigint)],
+                         ids=["SIGINT", "SIGKILL", "SIGKILL-started-in-the-background"])
+def test_stopping_the_parent_stops_the_ranks(tmp_path, signum, started):
     parent = subprocess.Popen([sys.executable, "-c", PARENT, str(Path(__file__).parent), str(tmp_path)],
-                              stderr=subprocess.DEVNULL)
+                              stderr=subprocess.DEVNULL, preexec_fn=started)
     try:
-        deadline = time.monotonic() + 40
+        deadline = time.monotonic() + 120  # the deadlines bound a hang only: a loaded machine may be slow
         while len(list(tmp_path.glob("*.pid"))) < 2:
             assert time.monotonic() < deadline and parent.poll() is None, "the ranks did not start"
             time.sleep(0.1)
         parent.send_signal(signum)
-        assert parent.wait(timeout=15) != 0
-        deadline = time.monotonic() + 10  # after SIGKILL the children go by their parent-death signal
+        assert parent.wait(timeout=60) != 0
+        deadline = time.monotonic() + 60  # after SIGKILL the children go by their parent-death signal
         while True:
             alive = [p for p in tmp_path.glob("*.pid") if running(int(p.read_text()))]
             if not alive or time.monotonic() > deadline:

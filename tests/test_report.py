@@ -152,3 +152,18 @@ def test_a_slower_mtp_run_says_why_in_round_costs(tmp_path: Path) -> None:
         ThroughputRun("no MTP", mtp=False, batch_size=1, decode_tokens_per_s=50.0),
         ThroughputRun("MTP k=2", mtp=True, batch_size=1, decode_tokens_per_s=60.0)], mtp=report.mtp)
     assert "MTP is slower here" not in write_report(faster, tmp_path / "faster").markdown.read_text(encoding="utf-8")
+
+
+@pytest.mark.parametrize("answer", ["no idea", "answer: {gold}"], ids=["none-correct", "all-correct"])
+def test_a_report_at_none_or_all_correct_is_written_with_its_plot(tmp_path, answer):
+    """0 of N (an untrained model) and N of N: the interval's bound on that side is the accuracy itself, so the
+    error bar is empty, not negative (matplotlib refuses a negative one and no report was written)."""
+    records = RECORDS * 2  # at 10 questions the float Wilson bound missed 0
+    protocol = AISBenchProtocol(records)
+    golds = [record.answer.split("#### ")[1] for record in records]
+    result = protocol.score([answer.format(gold=gold) for gold in golds])
+    files = write_report(ValidationReport(artifact="a", device="cpu", seed=0, accuracy=[AccuracyRow(result)]),
+                         tmp_path)
+    interval = json.loads(files.json.read_text(encoding="utf-8"))["gsm8k"][0]["candidate"]["scores"][0]["interval"]
+    assert interval[0] == 0.0 if answer == "no idea" else interval[1] == 1.0
+    assert [p.name for p in files.plots] == ["accuracy.png"]

@@ -227,6 +227,11 @@ def file_cases(base: Base) -> Iterator[Case]:
                                None),
         "extra-infinity": (assemble(Obj([*no_meta[:-1], (no_meta[-1][0], Obj([*no_meta[-1][1], ("x", Raw("1e400"))]))]),
                                     data), None),
+        "extra-5000-digit-integer": (assemble(Obj([*no_meta[:-1], (no_meta[-1][0], Obj([*no_meta[-1][1],
+                                                                                       ("x", Raw("7" * 5000))]))]),
+                                              data), None),  # Python's int() refuses over 4300 digits
+        "nested-100000-deep": (assemble(Obj([("__metadata__", Raw("[" * 100_000 + "]" * 100_000)), *no_meta]), data),
+                               None),  # Python's json recurses once per level
         "empty-tensor-appended": (assemble(Obj([*h, ("z", Obj([("dtype", "F32"), ("shape", [0, 5]),
                                                                 ("data_offsets", [end, end])]))]), data), None),
         "empty-name-tensor": (assemble(Obj([*h, ("", Obj([("dtype", "U8"), ("shape", [3]),

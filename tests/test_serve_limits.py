@@ -178,20 +178,26 @@ def test_an_internal_error_says_internal_error_and_the_details_go_to_the_log(run
     assert len(reported) == 1 and "RuntimeError" in reported[0] and "2.40 GiB" in reported[0]
 
 
-def test_a_client_that_sends_nothing_is_dropped_after_the_request_timeout(runner):
-    with running(make_server(runner, "tiny", limits=ServeLimits(request_timeout_s=1.0))) as url:
+def test_a_client_that_sends_nothing_is_dropped_at_the_header_deadline(runner):
+    """A second for the headers, a minute for the body: a client that sends nothing is dropped at the first."""
+    limits = ServeLimits(header_timeout_s=1.0, request_timeout_s=60.0)
+    with running(make_server(runner, "tiny", limits=limits)) as url:
         with socket.create_connection(address(url), timeout=10) as idle:
             closed_after = closed_by_server(idle, within_s=8)
     assert closed_after is not None and 0.8 <= closed_after < 4
 
 
-@pytest.mark.parametrize("phase", ["headers", "body"])
-def test_a_client_dripping_bytes_is_dropped_at_the_deadline_not_per_byte(runner, phase):
-    """A byte every 0.2 s never trips a per-read timeout of 1 s; the request's deadline must cut it anyway."""
+@pytest.mark.parametrize(("phase", "limits"), [
+    ("headers", ServeLimits(header_timeout_s=1.0, request_timeout_s=60.0)),
+    ("body", ServeLimits(header_timeout_s=60.0, request_timeout_s=1.0)),
+], ids=["headers", "body"])
+def test_a_client_dripping_bytes_is_dropped_at_the_deadline_not_per_byte(runner, phase, limits):
+    """A byte every 0.2 s never trips a per-read timeout of 1 s; the deadline of the part being sent (headers or
+    body, each its own) must cut it anyway."""
     opening = b"POST /v1/completions HTTP/1.0\r\n"
     if phase == "body":
         opening += b"Content-Length: 100000\r\n\r\n"
-    with running(make_server(runner, "tiny", limits=ServeLimits(request_timeout_s=1.0))) as url:
+    with running(make_server(runner, "tiny", limits=limits)) as url:
         with socket.create_connection(address(url), timeout=10) as sock:
             sock.sendall(opening)
             start, closed = time.monotonic(), False
@@ -206,9 +212,10 @@ def test_a_client_dripping_bytes_is_dropped_at_the_deadline_not_per_byte(runner,
     assert closed and elapsed < 4
 
 
-def test_connections_beyond_the_limit_get_503_at_once_and_no_thread_each(runner):
+def test_connections_beyond_the_pending_limit_get_503_at_once_and_no_thread_each(runner):
     baseline = threading.active_count()
-    with running(make_server(runner, "tiny", limits=ServeLimits(max_connections=2, request_timeout_s=20))) as url:
+    limits = ServeLimits(max_pending_connections=2, header_timeout_s=20.0)
+    with running(make_server(runner, "tiny", limits=limits)) as url:
         idle = [socket.create_connection(address(url), timeout=10) for _ in range(12)]
         try:
             time.sleep(0.5)  # let the server accept them all
@@ -222,7 +229,7 @@ def test_connections_beyond_the_limit_get_503_at_once_and_no_thread_each(runner)
         deadline = time.monotonic() + 5
         while (served := call(url + "/health")[0]) != 200 and time.monotonic() < deadline:
             time.sleep(0.05)
-    # the serving thread, the batcher's worker and one per allowed connection
+    # the serving thread, the batcher's worker and one per connection allowed to be sending its request
     assert threads_while_flooded <= baseline + 1 + 1 + 2
     assert status == 503 and refused_in < 2 and headers.get("Retry-After") == "1"
     assert openai_error(raw)["code"] == "server_busy"

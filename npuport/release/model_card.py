@@ -6,6 +6,7 @@ from __future__ import annotations
 import re
 from collections import Counter
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
 import yaml
@@ -14,8 +15,10 @@ from npuport import __version__
 from npuport.convert.engine_facts import facts_for
 from npuport.convert.qwen35_names import split_param
 from npuport.convert.recipe import W8A8_DYNAMIC
+from npuport.errors import NpuportError
+from npuport.jsonfile import JSONFieldError, JSONFields, read_json_object
 from npuport.release.results_table import HEADING as RESULTS_HEADING
-from npuport.release.results_table import model_labels, render_results_table
+from npuport.release.results_table import model_labels, render_results_table, result_rows
 from npuport.runtime.validation.gsm8k import PROTOCOLS
 
 FORCED_MARK = "WARNING: packaged with --force"
@@ -59,6 +62,39 @@ class CardFacts:
     report_files: list[str] = field(default_factory=list)  # relative paths of report.md and the plots
     forced_problems: list[str] = field(default_factory=list)
     artifact_checksum: str | None = None  # the report's artifact_checksum, checked equal to the artifact's
+
+
+def read_manifest(path: Path, error: type[NpuportError] = NpuportError) -> dict[str, Any]:
+    """An artifact's npuport_manifest.json, each field the card states checked for type: `error` names the file and
+    the field, before anything is copied."""
+    manifest = read_json_object(path, error)
+    try:
+        fields = JSONFields(manifest)
+        source = fields.object("source", optional=True) or JSONFields({}, "source")
+        recipe = fields.object("recipe", optional=True) or JSONFields({}, "recipe")
+        for part, key in [(fields, "scheme"), (fields, "command"), (fields, "version"), (source, "name"),
+                          (source, "model_type"), (recipe, "name"), (recipe, "file")]:
+            part.text(key, optional=True)
+        recipe.texts("notes", optional=True)
+        for entry in fields.objects("ignore_list", optional=True):
+            entry.text("module")
+            entry.text("reason")
+    except JSONFieldError as e:
+        raise error(f"{path}: {e}") from None
+    return manifest
+
+
+def check_report(report: dict[str, Any], path: Path, error: type[NpuportError] = NpuportError) -> None:
+    """Each field of a validation report that the card states has the type the card needs - the figures and their
+    labels, the npuport version, the gates' details - else `error` naming the file and the field."""
+    try:
+        result_rows(report)
+        fields = JSONFields(report)
+        (fields.object("versions", optional=True) or JSONFields({}, "versions")).text("npuport", optional=True)
+        for gate in fields.objects("gates", optional=True):
+            gate.text("detail", optional=True)
+    except JSONFieldError as e:
+        raise error(f"{path}: {e}") from None
 
 
 def short_checksum(value: str) -> str:
@@ -266,6 +302,8 @@ def read_front_matter(card: str) -> dict[str, Any]:
         meta = yaml.safe_load(card[4:end])
     except yaml.YAMLError as e:
         raise ValueError(f"YAML front matter does not parse ({e})") from None
+    except RecursionError:  # PyYAML recurses once per level of nesting
+        raise ValueError("YAML front matter is nested too deep to parse") from None
     if not isinstance(meta, dict):
         raise ValueError("YAML front matter is not a mapping")
     return meta

@@ -22,10 +22,17 @@ from npuport.convert.ascend_writer import DESCRIPTION_NAME, INDEX_NAME
 from npuport.convert.check import check_artifact
 from npuport.convert.converter import GB, MANIFEST_NAME
 from npuport.errors import NpuportError
-from npuport.jsonfile import read_json_object
+from npuport.jsonfile import read_json_object, read_text
 from npuport.output_folder import OutputFolder, archive_paths
 from npuport.paths import file_inside
-from npuport.release.model_card import CardFacts, license_id, render_model_card, short_checksum
+from npuport.release.model_card import (
+    CardFacts,
+    check_report,
+    license_id,
+    read_manifest,
+    render_model_card,
+    short_checksum,
+)
 from npuport.runtime.validation.report import REPORT_FORMAT
 from npuport.runtime.validation.validate import artifact_checksum
 
@@ -86,6 +93,7 @@ def load_report(path: Path) -> dict[str, Any]:
     if not isinstance(gates, list) or not all(isinstance(g, dict) and isinstance(g.get("name"), str)
                                               and isinstance(g.get("passed"), bool) for g in gates):
         raise ReleaseError(f"{path}: 'gates' must be a list of {{name, passed, detail}} objects")
+    check_report(data, path, ReleaseError)
     return data
 
 
@@ -104,7 +112,7 @@ def report_attachments(report_json: Path) -> list[Path]:
         raise ReleaseError(f"{md}: missing; write_report writes it next to {report_json.name}")
     file_inside(folder, REPORT_MD_NAME, "the report folder", ReleaseError)
     plots = []
-    for link in dict.fromkeys(_PLOT_LINK.findall(md.read_text(encoding="utf-8"))):
+    for link in dict.fromkeys(_PLOT_LINK.findall(read_text(md, ReleaseError))):
         plot = folder / link
         if "/" in link or not plot.is_file():
             raise ReleaseError(f"{md}: shows {link}, which is not a file next to it")
@@ -166,7 +174,9 @@ def _has_json_key(folder: Path, present: set[str], in_json: tuple[str, str] | No
 def code_problems(folder: Path, names: Iterable[str]) -> list[str]:
     """Code that a release of the files `names` (relative to `folder`) would carry: Python files, and an
     `auto_map` in a top-level config, which makes transformers import Python classes (trust_remote_code). A
-    W8A8 Qwen3.5 needs neither; an engine told to trust remote code would run it."""
+    W8A8 Qwen3.5 needs neither; an engine told to trust remote code would run it. So is a top-level config that is
+    not a JSON object, which no engine reads and which cannot be checked for `auto_map` (config.json aside: the
+    contract check reports it)."""
     problems = []
     for name in sorted(names):
         if name.endswith(CODE_SUFFIX):
@@ -174,8 +184,10 @@ def code_problems(folder: Path, names: Iterable[str]) -> list[str]:
         elif "/" not in name and name.endswith("config.json"):
             try:
                 config = read_json_object(folder / name, ReleaseError)
-            except ReleaseError:
-                continue  # the contract check reports a config that does not parse
+            except ReleaseError as e:
+                if name != "config.json":  # the contract check reports config.json
+                    problems.append(str(e).removeprefix(f"{folder}/"))
+                continue
             if AUTO_MAP_KEY in config:
                 problems.append(f"code: {name} has {AUTO_MAP_KEY!r}, which makes transformers import Python "
                                 "classes (trust_remote_code)")
@@ -312,7 +324,7 @@ def _read_inputs(artifact: Path, report_path: Path | None) -> _Inputs:
     report = None if report_path is None else load_report(report_path)
     attachments = [] if report_path is None else [report_path, *report_attachments(report_path)]
     checksum = None if report is None else bound_checksum(artifact, report_path, report)
-    return _Inputs(artifact, read_json_object(artifact / MANIFEST_NAME, ReleaseError),
+    return _Inputs(artifact, read_manifest(artifact / MANIFEST_NAME, ReleaseError),
                    read_json_object(artifact / DESCRIPTION_NAME, ReleaseError),
                    recipes[0], files, report_path, report, attachments, checksum)
 

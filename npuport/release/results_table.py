@@ -6,6 +6,7 @@ from __future__ import annotations
 from dataclasses import dataclass, replace
 from typing import Any
 
+from npuport.jsonfile import JSONFieldError, JSONFields
 from npuport.runtime.validation.report import _THROUGHPUT_COLUMNS, FULL_KL
 
 HEADING = "## Measured results"
@@ -42,72 +43,87 @@ def _fmt(value: float | int | None, spec: str = "d") -> str:
 
 def model_labels(report: dict[str, Any]) -> tuple[str, str]:
     """The names of the candidate and the reference model in a report ("W8A8", "BF16" unless it says)."""
-    labels = report.get("labels") or {}
-    return labels.get("candidate", "W8A8"), labels.get("reference", "BF16")
+    labels = JSONFields(report).object("labels", optional=True)
+    if labels is None:
+        return "W8A8", "BF16"
+    candidate, reference = labels.text("candidate", optional=True), labels.text("reference", optional=True)
+    return "W8A8" if candidate is None else candidate, "BF16" if reference is None else reference
 
 
 def header(report: dict[str, Any]) -> list[str]:
     return [*FIXED_COLUMNS, *model_labels(report), DIFFERENCE_COLUMN]
 
 
-def _gsm8k_rows(entry: dict[str, Any]) -> list[ResultRow]:
-    cand, ref = entry["candidate"], entry.get("reference")
-    protocol = f"{entry['protocol']}, {cand['shots']}-shot" + (f", seed {cand['seed']}" if cand.get("seed") is not None
-                                                               else "")
-    n = cand["num_questions"]
+def _gsm8k_rows(entry: JSONFields) -> list[ResultRow]:
+    cand, ref = entry.object("candidate"), entry.object("reference", optional=True)
+    seed = cand.integer("seed", optional=True)
+    protocol = f"{entry.text('protocol')}, {cand.integer('shots')}-shot" + (f", seed {seed}" if seed is not None
+                                                                            else "")
+    n = cand.integer("num_questions")
+    scores, ref_scores = cand.objects("scores"), ref.objects("scores") if ref else []
+    if ref and len(ref_scores) != len(scores):
+        raise JSONFieldError(f"{ref.path('scores')} has {len(ref_scores)} entries, {cand.path('scores')} "
+                             f"{len(scores)}")
     rows = []
-    for i, score in enumerate(cand["scores"]):
-        c = score["accuracy"] * 100
-        r = ref["scores"][i]["accuracy"] * 100 if ref else None
-        rows.append(ResultRow(f"GSM8K accuracy % ({score['name']})", protocol, n, c, r,
+    for i, score in enumerate(scores):
+        c = score.number("accuracy") * 100
+        r = ref_scores[i].number("accuracy") * 100 if ref else None
+        rows.append(ResultRow(f"GSM8K accuracy % ({score.text('name')})", protocol, n, c, r,
                               None if r is None else c - r))
-    rows.append(ResultRow("GSM8K invalid %", protocol, n, cand["invalid_rate"] * 100,
-                          ref["invalid_rate"] * 100 if ref else None))
-    cand_tps, ref_tps = cand.get("output_throughput"), (ref or {}).get("output_throughput")
+    rows.append(ResultRow("GSM8K invalid %", protocol, n, cand.number("invalid_rate") * 100,
+                          ref.number("invalid_rate") * 100 if ref else None))
+    cand_tps = cand.number("output_throughput", optional=True)
+    ref_tps = ref.number("output_throughput", optional=True) if ref else None
     if cand_tps is not None or ref_tps is not None:
         rows.append(ResultRow("GSM8K output tok/s", protocol, n, cand_tps, ref_tps, fmt=".1f"))
     return rows
 
 
-def _fidelity_rows(fidelity: dict[str, Any], reference: str) -> list[ResultRow]:
-    protocol = f"vs {reference}" + (f", {fidelity['num_prompts']} prompts" if fidelity.get("num_prompts") else "")
-    rows = [ResultRow("greedy token agreement %", protocol, None, fidelity["greedy_token_agreement"] * 100),
-            ResultRow("top-1 agreement of next-token logits %", protocol, None, fidelity["top1_agreement"] * 100),
-            ResultRow("mean KL divergence" + ("" if fidelity.get("kl_method", FULL_KL) == FULL_KL
-                                              else f" ({fidelity['kl_method']})"),
-                      protocol, None, fidelity["mean_kl"], fmt=".4g")]
-    if fidelity.get("layer_cosine"):
-        rows.append(ResultRow("lowest per-layer output cosine", protocol, None, min(fidelity["layer_cosine"]),
-                              fmt=".5f"))
+def _fidelity_rows(fidelity: JSONFields, reference: str) -> list[ResultRow]:
+    prompts = fidelity.integer("num_prompts", optional=True)
+    protocol = f"vs {reference}" + (f", {prompts} prompts" if prompts else "")
+    kl_method = fidelity.text("kl_method", optional=True)
+    rows = [ResultRow("greedy token agreement %", protocol, None, fidelity.number("greedy_token_agreement") * 100),
+            ResultRow("top-1 agreement of next-token logits %", protocol, None,
+                      fidelity.number("top1_agreement") * 100),
+            ResultRow("mean KL divergence" + ("" if kl_method in (None, FULL_KL) else f" ({kl_method})"),
+                      protocol, None, fidelity.number("mean_kl"), fmt=".4g")]
+    cosines = fidelity.numbers("layer_cosine", optional=True)
+    if cosines:
+        rows.append(ResultRow("lowest per-layer output cosine", protocol, None, min(cosines), fmt=".5f"))
     return rows
 
 
-def _throughput_rows(run: dict[str, Any]) -> list[ResultRow]:
-    protocol = f"{run['label']}, MTP {'on' if run['mtp'] else 'off'}, batch {run['batch_size']}"
-    return [ResultRow(name, protocol, None, run[attr], fmt=f".{digits}f")
-            for name, attr, digits in _THROUGHPUT_COLUMNS if run.get(attr) is not None]
+def _throughput_rows(run: JSONFields) -> list[ResultRow]:
+    protocol = f"{run.text('label')}, MTP {'on' if run.flag('mtp') else 'off'}, batch {run.integer('batch_size')}"
+    figures = [(name, run.number(attr, optional=True), digits) for name, attr, digits in _THROUGHPUT_COLUMNS]
+    return [ResultRow(name, protocol, None, value, fmt=f".{digits}f") for name, value, digits in figures
+            if value is not None]
 
 
-def _mtp_rows(mtp: dict[str, Any]) -> list[ResultRow]:
-    protocol = f"k={mtp['num_speculative_tokens']}" + (f", {mtp['num_rounds']} rounds" if mtp.get("num_rounds")
-                                                        else "")
-    rows = [ResultRow("MTP mean acceptance length", protocol, None, mtp["mean_acceptance_length"])]
+def _mtp_rows(mtp: JSONFields) -> list[ResultRow]:
+    rounds = mtp.integer("num_rounds", optional=True)
+    protocol = f"k={mtp.integer('num_speculative_tokens')}" + (f", {rounds} rounds" if rounds else "")
+    rows = [ResultRow("MTP mean acceptance length", protocol, None, mtp.number("mean_acceptance_length"))]
     rows += [ResultRow(f"MTP acceptance rate, draft position {i}", protocol, None, rate, fmt=".3f")
-             for i, rate in enumerate(mtp["per_position"], start=1)]
+             for i, rate in enumerate(mtp.numbers("per_position"), start=1)]
     return rows
 
 
 def result_rows(report: dict[str, Any]) -> list[ResultRow]:
-    """Every headline figure of a report.json, one row each, with a unique (measure, protocol) key."""
+    """Every headline figure of a report.json, one row each, with a unique (measure, protocol) key. A figure (or
+    what names it) that is missing or of the wrong type is a JSONFieldError naming the field."""
+    fields = JSONFields(report)
+    reference = model_labels(report)[1]
     rows: list[ResultRow] = []
-    for entry in report.get("gsm8k") or []:
+    for entry in fields.objects("gsm8k", optional=True):
         rows += _gsm8k_rows(entry)
     if report.get("fidelity"):
-        rows += _fidelity_rows(report["fidelity"], model_labels(report)[1])
-    for run in report.get("throughput") or []:
+        rows += _fidelity_rows(fields.object("fidelity"), reference)
+    for run in fields.objects("throughput", optional=True):
         rows += _throughput_rows(run)
     if report.get("mtp"):
-        rows += _mtp_rows(report["mtp"])
+        rows += _mtp_rows(fields.object("mtp"))
     seen: dict[tuple[str, str], int] = {}
     unique = []
     for row in rows:  # the same protocol run twice: number the repeats so each row keeps its own key

@@ -10,6 +10,8 @@ from pathlib import Path
 from npuport.checksums import SUMS_NAME, listing_checksum, parse_sums, sha256_file
 from npuport.convert.check import check_artifact
 from npuport.errors import NpuportError
+from npuport.jsonfile import read_text
+from npuport.output_folder import MAX_SUMS_BYTES
 from npuport.release.model_card import FORCED_MARK, VERIFY_CANNOT_PROVE, VERIFY_PROVES, read_front_matter
 from npuport.release.package import (
     CARD_NAME,
@@ -61,7 +63,14 @@ def check_checksums(folder: Path, digests: dict[str, str]) -> list[str]:
     sums = folder / SUMS_NAME
     if not sums.is_file():
         return [f"{SUMS_NAME} is missing"]
-    listed, problems = parse_sums(sums.read_text(encoding="utf-8"))
+    size = sums.stat().st_size
+    if size > MAX_SUMS_BYTES:  # a line per file: no release comes near; reading one of 200 MB took minutes
+        return [f"{SUMS_NAME}: {size:,} bytes, more than the listing of any release takes ({MAX_SUMS_BYTES:,} at "
+                "most); not read"]
+    try:
+        listed, problems = parse_sums(read_text(sums, NpuportError))
+    except NpuportError as e:
+        return [_in_release(e, folder)]
     for rel, digest in sorted(listed.items()):
         outside = path_rule_problem(folder, rel, SUMS_NAME, must_exist=False)
         if outside:
@@ -93,7 +102,10 @@ def check_card(folder: Path) -> list[str]:
     card_path = folder / CARD_NAME
     if not card_path.is_file():
         return [f"{CARD_NAME} is missing"]
-    card = card_path.read_text(encoding="utf-8")
+    try:
+        card = read_text(card_path, NpuportError)
+    except NpuportError as e:
+        return [_in_release(e, folder)]
     problems = []
     try:
         meta = read_front_matter(card)
@@ -108,13 +120,18 @@ def check_card(folder: Path) -> list[str]:
     try:
         report = load_report(report_path)
     except NpuportError as e:
-        return problems + [str(e).replace(str(folder) + "/", "")]
+        return problems + [_in_release(e, folder)]
     problems += compare_results(card, report, CARD_NAME)
     failed = failed_gates(report)
     problems += [f"{VALIDATION_DIR}/{REPORT_NAME}: {p}" for p in failed]
     if failed and FORCED_MARK not in card:
         problems.append(f"{CARD_NAME}: the report has a failed gate but the card carries no '{FORCED_MARK}' warning")
     return problems
+
+
+def _in_release(error: NpuportError, folder: Path) -> str:
+    """An error's message with the release's files named by their paths inside it."""
+    return str(error).replace(str(folder) + "/", "")
 
 
 def check_report_binding(folder: Path, digests: dict[str, str]) -> list[str]:

@@ -1,15 +1,26 @@
-"""Requests in flight batched together for `npuport serve`: one worker thread owns the model; requests wait in a
-queue, and each time the model is free the worker takes every waiting request that can share a generate call -
-greedy ones always, sampled ones with the same temperature and top-p and no seed of their own - up to the batch
-size, and runs them as one batch, each row with its own limit and stop strings. A request that arrives while a
-batch runs joins the next batch (a batch is one generate call; rows do not join mid-call). The log-probabilities a
-request asks for are computed by the same worker after its batch, so the model is never used by two threads.
+"""Requests in flight batched together for `npuport serve`: one worker thread owns the model and runs generate
+calls over the rows (a prompt x n each) of the requests waiting in line. A call takes rows that can share it -
+greedy ones always, sampled ones with the same temperature and top-p and no seed of their own; the first request in
+line decides - one row of each request in turn, up to the batch size, so a request with many rows leaves room for
+those behind it. A request is answered as soon as its rows end (one that wants log-probabilities once the call is
+over), while the call goes on with the others.
 
-A request with a seed runs in a batch of its own: its draws then do not depend on what else was waiting.
+Rows do not join a call that runs, so a call does not run on while others wait: once its rows have made
+ROUND_TOKENS tokens in it, each ends at its next stop check if a request the call does not serve is waiting (or one
+it served waits only for its log-probabilities), and goes back in line, behind the requests that waited, to go on -
+its prompt and tokens so far prefilled again - in a later call. A request arriving during a call thus waits for at
+most ROUND_TOKENS tokens of it (and the prefill); a call nobody waits for runs to its end, no prefill repeated. A
+request whose client went away (Job.cancel) ends its rows at their next stop check; they are reported "cancelled".
+
+A request with a seed runs in calls of its own, in rounds of ROUND_TOKENS whether or not others wait, round r
+drawing from the seed and r: its draws then do not depend on what else was waiting. The log-probabilities a request
+asks for are computed by the same worker after the call, so the model is never used by two threads.
 """
 
 from __future__ import annotations
 
+import bisect
+import dataclasses
 import itertools
 import queue
 import threading
@@ -19,8 +30,11 @@ from dataclasses import dataclass, field
 
 from npuport.runtime.sampling import SamplingParams
 from npuport.runtime.validation.completions import RuntimeCompletions, TextRequest, TextResult
+from npuport.runtime.validation.endpoint import EndpointCompletion
 from npuport.runtime.validation.logprobs import PositionLogprobs
 
+ROUND_TOKENS = 256  # tokens a call's rows make before it gives way to a request waiting (a newcomer's longest wait)
+CANCELLED = "cancelled"  # the finish reason of a row whose client went away
 _SOLO = itertools.count()  # makes every seeded request's batch key unique
 
 
@@ -42,7 +56,7 @@ class RowAnswer:
     logprobs: list[PositionLogprobs] | None = None
 
 
-@dataclass
+@dataclass(eq=False)
 class Job:
     """One request: its rows (a prompt x n each), how they sample, the log-probabilities they want. on_tokens(row,
     new tokens) hears of a row's tokens as they come (a stream); `cancel()` ends the rows early (a client that
@@ -55,97 +69,192 @@ class Job:
     future: Future = field(default_factory=Future)
     cancelled: bool = False
     key: tuple = field(init=False)  # jobs with the same key may share a generate call
+    # the worker's record: what each row runs next (its tokens so far as `generated`), the rows waiting for a call
+    # (in order: those to resume come first), each row's result once it ended, the rounds a seeded job has had
+    next_requests: list[TextRequest] = field(init=False, repr=False)
+    waiting: list[int] = field(init=False, repr=False)
+    results: list[TextResult | None] = field(init=False, repr=False)
+    rounds: int = field(init=False, default=0, repr=False)
 
     def __post_init__(self) -> None:
         s = self.sampling
         self.key = ("greedy",) if s.greedy else ("sampled", s.temperature, s.top_p,
                                                  next(_SOLO) if s.seed is not None else None)
+        self.next_requests = list(self.rows)
+        self.waiting = list(range(len(self.rows)))
+        self.results = [None] * len(self.rows)
 
     def cancel(self) -> None:
         self.cancelled = True
 
+    @property
+    def ended(self) -> bool:
+        return all(r is not None for r in self.results)
+
+
+def round_seed(seed: int, round_: int) -> int:
+    """The seed of round `round_` of a seeded request: its own first (a request of one round draws as generate
+    with its seed does), then one per round (each round a generator of its own, none repeating another's draws)."""
+    return seed if round_ == 0 else (seed + round_ * 0x9E3779B97F4A7C15) % (1 << 64)
+
 
 class RequestBatcher:
-    """The worker thread and its queue over `runner`, batches of at most `max_rows` rows."""
+    """The worker thread and its line over `runner`: calls of at most `max_rows` rows that give way to waiting
+    requests after `round_tokens` tokens."""
 
-    def __init__(self, runner: RuntimeCompletions, max_rows: int) -> None:
-        self.runner, self.max_rows = runner, max_rows
+    def __init__(self, runner: RuntimeCompletions, max_rows: int, round_tokens: int = ROUND_TOKENS) -> None:
+        self.runner, self.max_rows, self.round_tokens = runner, max_rows, round_tokens
         self._queue: queue.SimpleQueue[Job | None] = queue.SimpleQueue()
-        self._waiting: list[Job] = []  # taken from the queue, not yet run (another key than the batch's)
-        self._worker = threading.Thread(target=self._work, name="npuport-batcher", daemon=True)
-        self._worker.start()
+        self._line: list[Job] = []  # jobs with rows waiting for a call, in the order they are served
+        self._closing = False
+        self._in_flight = 0
+        self._count_lock = threading.Lock()
+        self.worker = threading.Thread(target=self._work, name="npuport-batcher", daemon=True)
+        self.worker.start()
 
     def submit(self, job: Job) -> Future:
+        with self._count_lock:
+            self._in_flight += 1
+        job.future.add_done_callback(self._answered)
         self._queue.put(job)
         return job.future
+
+    def _answered(self, _: Future) -> None:
+        with self._count_lock:
+            self._in_flight -= 1
+
+    @property
+    def in_flight(self) -> int:
+        """Requests submitted and not answered yet: 0 once the worker has nothing to do."""
+        with self._count_lock:
+            return self._in_flight
 
     def close(self) -> None:
         """Stop the worker once the jobs already queued are done."""
         self._queue.put(None)
-        self._worker.join()
+        self.worker.join()
 
-    def _next_batch(self) -> list[Job] | None:
-        """The jobs of the next generate call (waits for one); None once closed."""
-        while not self._waiting:
-            job = self._queue.get()
-            if job is None:
-                return None
-            self._waiting.append(job)
-        while True:  # everything that arrived meanwhile
-            try:
-                job = self._queue.get_nowait()
-            except queue.Empty:
-                break
-            if job is None:
-                self._queue.put(None)  # close after this batch
-                break
-            self._waiting.append(job)
-        first = self._waiting[0]
-        batch, rows = [], 0
-        for job in list(self._waiting):
-            if job.key == first.key and (not batch or rows + len(job.rows) <= self.max_rows):
-                batch.append(job)
-                rows += len(job.rows)
-                self._waiting.remove(job)
-        return batch
+    # -- the worker -------------------------------------------------------------------------------------------
 
     def _work(self) -> None:
-        while (batch := self._next_batch()) is not None:
-            live = [job for job in batch if job.future.set_running_or_notify_cancel()]
+        while True:
+            self._take_arrivals(block=not self._line)
+            self._end_cancelled()
+            if self._line:
+                self._run(self._next_call())
+            elif self._closing:
+                return
+
+    def _take_arrivals(self, block: bool) -> None:
+        """Put the jobs submitted since the last look in line (waiting for one when `block`)."""
+        while not self._closing:
             try:
-                answers = self._run(live)
-            except Exception as e:  # noqa: BLE001 - every job of the batch hears of it; the worker goes on
-                for job in live:
+                job = self._queue.get(block=block)
+            except queue.Empty:
+                return
+            block = False
+            if job is None:
+                self._closing = True  # once the jobs in line are done
+            elif job.future.set_running_or_notify_cancel():
+                self._line.append(job)
+
+    def _end_cancelled(self) -> None:
+        """The waiting rows of jobs whose client went away end without a call."""
+        for job in [job for job in self._line if job.cancelled]:
+            for i in job.waiting:
+                generated = list(job.next_requests[i].generated)
+                job.results[i] = TextResult(EndpointCompletion(self.runner.decode(generated), len(generated),
+                                                               CANCELLED), generated)
+            job.waiting.clear()
+            self._line.remove(job)
+            if job.ended:
+                self._answer_job(job)
+
+    def _next_call(self) -> list[tuple[Job, int]]:
+        """The (job, row) pairs of the next generate call: the jobs in line that share the first one's key, one
+        row of each in turn, up to max_rows."""
+        sharing = [job for job in self._line if job.key == self._line[0].key]
+        rows = [(job, job.waiting[turn]) for turn in range(max(len(job.waiting) for job in sharing))
+                for job in sharing if turn < len(job.waiting)][:self.max_rows]
+        for job, i in rows:
+            job.waiting.remove(i)
+        self._line = [job for job in self._line if job.waiting]
+        return rows
+
+    def _run(self, rows: Sequence[tuple[Job, int]]) -> None:
+        """One generate call over `rows`; then the jobs that took part go behind those that waited, and those
+        whose rows have all ended are answered with their log-probabilities."""
+        jobs = list(dict.fromkeys(job for job, _ in rows))
+        sampling = jobs[0].sampling
+        if sampling.seed is not None:
+            sampling = dataclasses.replace(sampling, seed=round_seed(sampling.seed, jobs[0].rounds))
+            jobs[0].rounds += 1
+
+        def on_tokens(row: int, new: list[int]) -> None:
+            job, i = rows[row]
+            if job.on_tokens is not None:
+                job.on_tokens(i, new)
+
+        def interrupted(row: int, made: int) -> bool:
+            job = rows[row][0]
+            if job.cancelled:
+                return True
+            if made < self.round_tokens:
+                return False
+            return job.sampling.seed is not None or self._wanted(jobs)
+
+        try:
+            self.runner.run([job.next_requests[i] for job, i in rows], sampling, on_tokens, interrupted,
+                            lambda row, result: self._row_ended(*rows[row], result))
+        except Exception as e:  # noqa: BLE001 - every job of the call hears of it; the worker goes on
+            for job in jobs:
+                if job in self._line:
+                    self._line.remove(job)
+                if not job.future.done():
                     job.future.set_exception(e)
-                continue
-            for job, rows in zip(live, answers, strict=True):
-                job.future.set_result(rows)
-
-    def _run(self, jobs: Sequence[Job]) -> list[list[RowAnswer]]:
-        """The jobs' rows in generate calls of at most max_rows (one, unless a single job has more), then the
-        log-probabilities each job asked for."""
-        owners = [(job, i) for job in jobs for i in range(len(job.rows))]
-        results: list[TextResult] = []
-        for first in range(0, len(owners), self.max_rows):
-            part = owners[first:first + self.max_rows]
-
-            def on_tokens(row: int, new: list[int], part=part) -> None:
-                job, i = part[row]
-                if job.on_tokens is not None:
-                    job.on_tokens(i, new)
-
-            done, _ = self.runner.run([job.rows[i] for job, i in part], jobs[0].sampling, on_tokens,
-                                      lambda row, part=part: part[row][0].cancelled)
-            results += done
-        answers: list[list[RowAnswer]] = []
+            return
         for job in jobs:
-            mine, results = results[:len(job.rows)], results[len(job.rows):]
-            answers.append([self._answer(job, row, result) for row, result in zip(job.rows, mine, strict=True)])
-        return answers
+            if job in self._line:  # rows to go on with, or rows that did not fit
+                self._line.remove(job)
+                self._line.append(job)
+            elif job.ended and not job.future.done():
+                self._answer_job(job)
 
-    def _answer(self, job: Job, row: TextRequest, result: TextResult) -> RowAnswer:
+    def _wanted(self, call: Sequence[Job]) -> bool:
+        """Whether a request that `call` does not serve is waiting, or one it served waits only for its
+        log-probabilities (which the model computes once the call is over)."""
+        self._take_arrivals(block=False)
+        return (any(job not in call and not job.cancelled for job in self._line)
+                or any(job.ended and not job.future.done() for job in call))
+
+    def _row_ended(self, job: Job, i: int, result: TextResult) -> None:
+        """Row i of `job` ended in a call: finished, or interrupted (finish reason None) - then it goes back in
+        line to go on from its tokens, unless its client went away. A job whose rows have all ended is answered
+        at once unless it wants log-probabilities (the model is busy with the call)."""
+        if result.completion.finish_reason is None:
+            if not job.cancelled:
+                job.next_requests[i] = dataclasses.replace(job.next_requests[i], generated=tuple(result.token_ids))
+                bisect.insort(job.waiting, i)
+                if job not in self._line:
+                    self._line.append(job)
+                return
+            result = TextResult(dataclasses.replace(result.completion, finish_reason=CANCELLED), result.token_ids)
+        job.results[i] = result
+        if job.ended and (job.logprobs is None or job.cancelled):
+            self._answer_job(job)
+
+    def _answer_job(self, job: Job) -> None:
+        try:
+            answers = [self._answer(job, row, result) for row, result in zip(job.rows, job.results, strict=True)]
+        except Exception as e:  # noqa: BLE001 - the job hears of it; the worker goes on
+            job.future.set_exception(e)
+            return
+        job.future.set_result(answers)
+
+    def _answer(self, job: Job, row: TextRequest, result: TextResult | None) -> RowAnswer:
+        assert result is not None
         spec = job.logprobs
-        if spec is None:
+        if spec is None or job.cancelled:
             return RowAnswer(result)
         taken = result.token_ids[:result.completion.completion_tokens]
         sequence = row.prompt_ids + taken

@@ -4,7 +4,6 @@ cut at the first stop string, and the log-probabilities of prompt and completion
 
 from __future__ import annotations
 
-import threading
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
@@ -24,6 +23,7 @@ from npuport.runtime.validation.gsm8k import cut_at_stop
 from npuport.runtime.validation.logprobs import PositionLogprobs, sequence_logprobs
 
 Decode = Callable[[Sequence[int]], str]
+Interruption = Callable[[int, int], bool]  # (row, tokens this call made for it) -> end it now, unfinished
 
 
 def _holds_stop(text: str, stop: Sequence[str]) -> bool:
@@ -62,6 +62,20 @@ def context_tokens_of(path: Path) -> int | None:
     return None
 
 
+def only_reads(tokenizer) -> None:
+    """Leave `tokenizer` in the state in which encode and decode only read it, so that several threads may call
+    them at once with none waiting for another: a tokenizers-backed (Rust) tokenizer mutates itself only to set
+    truncation or padding, which an encode asking for neither turns off when set (and meanwhile another thread's
+    call would fail, "Already borrowed"); so both go now, once. Its encode runs without Python's GIL."""
+    backend = getattr(tokenizer, "backend_tokenizer", None)
+    if backend is None:
+        return
+    if backend.truncation is not None:
+        backend.no_truncation()
+    if backend.padding is not None:
+        backend.no_padding()
+
+
 def merge_acceptance(parts: Sequence[AcceptanceStats]) -> AcceptanceStats | None:
     """The statistics of several batches as one (their requests side by side); None for no batch."""
     if not parts:
@@ -72,17 +86,21 @@ def merge_acceptance(parts: Sequence[AcceptanceStats]) -> AcceptanceStats | None
 
 @dataclass(frozen=True)
 class TextRequest:
-    """One row of a generation: its prompt's token ids, the most tokens it may make, its stop strings."""
+    """One row of a generation: its prompt's token ids, the most tokens it may make, its stop strings, and the
+    tokens an earlier call made for it (`generated`: a row resumed after an interruption), which follow the prompt,
+    count against max_tokens and begin its answer."""
 
     prompt_ids: list[int]
     max_tokens: int
     stop: tuple[str, ...] = ()
+    generated: tuple[int, ...] = ()
 
 
 @dataclass(frozen=True)
 class TextResult:
-    """One row's answer (text cut at its first stop string, the tokens that text took, why it ended) and every
-    token it generated (a few more than the text took where a stop string ended it)."""
+    """One row's answer (text cut at its first stop string, the tokens that text took, why it ended: None for a
+    row interrupted before it finished) and every token it generated (a few more than the text took where a stop
+    string ended it)."""
 
     completion: EndpointCompletion
     token_ids: list[int]
@@ -117,8 +135,7 @@ class RuntimeCompletions:
         self.context_tokens = context_tokens
         # resolved once, for calls with and without MTP alike (their outputs compare); every rank is told
         self.invariant = use_invariance(model, invariant, mtp)
-        # transformers' tokenizers are not safe to call from several threads at once (a server's request threads)
-        self._tokenizer_lock = threading.Lock()
+        only_reads(tokenizer)
 
     @classmethod
     def load(cls, path: Path | str, *, device: torch.device | str | None = None, dtype: str = "bfloat16",
@@ -140,40 +157,61 @@ class RuntimeCompletions:
         return self.model.config.vocab_size
 
     def encode(self, prompt: str) -> list[int]:
-        with self._tokenizer_lock:
-            return list(self.tokenizer.encode(prompt))
+        """Token ids of `prompt`; safe from several threads at once, none waiting for another (see only_reads)."""
+        return list(self.tokenizer.encode(prompt))
 
     def decode(self, tokens: Sequence[int]) -> str:
         """Text of generated tokens, special tokens (EOS) left out, as the servers answer by default."""
-        with self._tokenizer_lock:
-            return self.tokenizer.decode(list(tokens), skip_special_tokens=True)
+        return self.tokenizer.decode(list(tokens), skip_special_tokens=True)
 
     def token_text(self, token: int) -> str:
         """One token's own text, special tokens included: how a server names a token in its log-probabilities."""
-        with self._tokenizer_lock:
-            return self.tokenizer.decode([token])
+        return self.tokenizer.decode([token])
 
     def logprobs(self, sequence: Sequence[int], top_k: int, start: int = 1) -> list[PositionLogprobs]:
         """Log-probabilities of positions start.. of `sequence` and their top_k, in one forward pass."""
         return sequence_logprobs(self.model, sequence, top_k, start)
 
     def run(self, requests: Sequence[TextRequest], sampling: SamplingParams | None = None,
-            on_tokens: TokenSink | None = None, cancelled: Callable[[int], bool] | None = None
+            on_tokens: TokenSink | None = None, interrupted: Interruption | None = None,
+            on_done: Callable[[int, TextResult], None] | None = None
             ) -> tuple[list[TextResult], AcceptanceStats | None]:
         """Every request as one generate call, each with its own max_tokens and stop strings (checked every few
-        tokens, as generate's should_stop is). on_tokens(row, new tokens) hears of tokens as they come;
-        cancelled(row) True ends that row at its next check (a client that went away)."""
-        def should_stop(row: int, tokens: list[int]) -> bool:
-            stop = requests[row].stop
-            return bool(cancelled is not None and cancelled(row)) or (bool(stop) and _holds_stop(self.decode(tokens),
-                                                                                                 stop))
+        tokens, as generate's should_stop is), a resumed one going on from its `generated` tokens. on_tokens(row,
+        new tokens) hears of tokens as they come, on_done(row, result) of each row's result as soon as it ends
+        (the others may still run); interrupted(row, tokens this call made) True ends that row at that check,
+        its finish reason None (a client that went away, or a row that gives its place to another request and
+        resumes later)."""
+        results: list[TextResult | None] = [None] * len(requests)
+        stopped: set[int] = set()
 
-        checks = any(r.stop for r in requests) or cancelled is not None
-        result = generate(self.model, [r.prompt_ids for r in requests], [r.max_tokens for r in requests],
-                          mtp=self.mtp, sampling=sampling, stop_tokens=self.stop_tokens, invariant=self.invariant,
-                          should_stop=should_stop if checks else None, on_tokens=on_tokens)
-        return ([TextResult(finish_completion(t, self.decode, r.stop, self.stop_tokens), t)
-                 for r, t in zip(requests, result.tokens, strict=True)], result.stats)
+        def should_stop(row: int, tokens: list[int]) -> bool:
+            request = requests[row]
+            if request.stop and _holds_stop(self.decode([*request.generated, *tokens]), request.stop):
+                return True
+            if interrupted is not None and interrupted(row, len(tokens)):
+                stopped.add(row)
+                return True
+            return False
+
+        def on_finish(row: int, new: list[int], _reason: str) -> None:
+            tokens = [*requests[row].generated, *new]
+            results[row] = (TextResult(EndpointCompletion(self.decode(tokens), len(tokens), None), tokens)
+                            if row in stopped else self.finish(requests[row], tokens))
+            if on_done is not None:
+                on_done(row, results[row])
+
+        checks = any(r.stop for r in requests) or interrupted is not None
+        stats = generate(self.model, [[*r.prompt_ids, *r.generated] for r in requests],
+                         [r.max_tokens - len(r.generated) for r in requests], mtp=self.mtp, sampling=sampling,
+                         stop_tokens=self.stop_tokens, invariant=self.invariant,
+                         should_stop=should_stop if checks else None, on_tokens=on_tokens,
+                         on_finish=on_finish).stats
+        return results, stats
+
+    def finish(self, request: TextRequest, tokens: list[int]) -> TextResult:
+        """The answer to `request` that generated `tokens` (all of them, from its first)."""
+        return TextResult(finish_completion(tokens, self.decode, request.stop, self.stop_tokens), tokens)
 
     def complete(self, prompts: Sequence[str], *, max_tokens: int, stop: Sequence[str] = (),
                  sampling: SamplingParams | None = None,

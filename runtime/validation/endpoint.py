@@ -1,6 +1,7 @@
 """A client for an OpenAI-compatible `/v1/completions` server (sglang, vllm-ascend), standard library only:
 greedy completions of many prompts in parallel, each question's answer or error as it arrives, retries that
-honour Retry-After, a wall-clock deadline per request, and a run that stops for good when the server is lost."""
+honour Retry-After, a wall-clock deadline and a size cap per answer, and a run that stops for good when the server
+is lost."""
 
 from __future__ import annotations
 
@@ -14,7 +15,7 @@ import threading
 import time
 import urllib.error
 import urllib.request
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from concurrent.futures import CancelledError, Future, ThreadPoolExecutor, as_completed, wait
 from dataclasses import dataclass
 
@@ -22,6 +23,14 @@ from npuport.errors import EndpointError
 
 DEFAULT_MAX_RETRY_AFTER_S = 60.0  # a server asking for longer is waited on this long, then tried again
 DEFAULT_FAILURES_TO_GIVE_UP = 8  # questions failed in a row (after their retries) that end the run
+# The bytes an answer is read for are capped by what its request can need, so that a server answering without end
+# fills neither memory nor the answers files: a floor for the envelope (ids, usage, a server's extra fields), then
+# per token room for its text JSON-escaped (\uXXXX: up to 6 bytes a byte) in each place an answer lists it.
+ANSWER_BYTES_FLOOR = 1 << 20
+ANSWER_BYTES_PER_TOKEN = 1 << 10
+OPENAI_DEFAULT_MAX_TOKENS = 16  # what the API generates when a request does not say
+MODEL_LIST_BYTES = 1 << 20  # a /v1/models answer: names of a few models
+_READ_CHUNK = 1 << 16
 _DEADLINE = "deadline"
 _GIVEN_UP = "given up"
 
@@ -43,15 +52,18 @@ def served_models(base_url: str, timeout_s: float = 30.0, api_key: str | None = 
     if it cannot say."""
     url = completions_url(base_url).removesuffix("/completions") + "/models"
     headers = {"Accept": "application/json"} | ({"Authorization": f"Bearer {api_key}"} if api_key else {})
+    opener = urllib.request.build_opener(_NoRedirect())
     try:
-        with urllib.request.urlopen(urllib.request.Request(url, headers=headers), timeout=timeout_s) as response:
-            data = json.loads(response.read())
+        with opener.open(urllib.request.Request(url, headers=headers), timeout=timeout_s) as response:
+            data = json.loads(_read_capped(response, MODEL_LIST_BYTES))
         return [m["id"] for m in data["data"] if isinstance(m, dict) and isinstance(m.get("id"), str)]
     except urllib.error.HTTPError as e:
-        raise EndpointError(f"{url}: answered HTTP {e.code}") from None
+        raise EndpointError(f"{url}: answered {_status(e)}") from None
+    except _OverCap:
+        raise EndpointError(f"{url}: answered more than {MODEL_LIST_BYTES} bytes for a model list") from None
     except (urllib.error.URLError, OSError, http.client.HTTPException) as e:
         raise EndpointError(f"{url}: unreachable ({getattr(e, 'reason', e)})") from None
-    except (ValueError, KeyError, TypeError):
+    except (ValueError, KeyError, TypeError, RecursionError):  # RecursionError: JSON nested past the parser's depth
         raise EndpointError(f"{url}: answered no model list") from None
 
 
@@ -123,6 +135,55 @@ class _Transient(Exception):
 
 class _Cancelled(Exception):
     """The run was given up before this request ended; the question stays unanswered, not failed."""
+
+
+class _NoRedirect(urllib.request.HTTPRedirectHandler):
+    """Redirects end a request as the HTTP answers they are: urllib would send a POST on as a GET without its
+    body (301 to 303), and follow a redirect to ftp:// outside the exchange's deadline and size cap."""
+
+    def redirect_request(self, req, fp, code, msg, headers, newurl):
+        return None
+
+
+def _status(error: urllib.error.HTTPError) -> str:
+    """`HTTP <code>`, and where a redirect points."""
+    if 300 <= error.code < 400 and error.headers is not None:
+        location = _snippet(error.headers.get("Location", "").encode())
+        return f"HTTP {error.code} (a redirect to {location}, not followed: give that URL)"
+    return f"HTTP {error.code}"
+
+
+class _OverCap(Exception):
+    """An answer longer than the bytes it was read for; the rest of it is left unread."""
+
+
+def _read_capped(response: http.client.HTTPResponse, limit: int) -> bytes:
+    """The body of `response`, at most `limit` bytes of it: _OverCap as soon as a Content-Length or the bytes
+    read pass the limit, chunked or unframed bodies alike, before the rest is read."""
+    if response.length is not None and response.length > limit:
+        raise _OverCap
+    parts, size = [], 0
+    while chunk := response.read(min(_READ_CHUNK, limit + 1 - size)):  # one byte past the limit tells
+        parts.append(chunk)
+        size += len(chunk)
+        if size > limit:
+            raise _OverCap
+    return b"".join(parts)
+
+
+def answer_byte_limit(fields: Mapping) -> int:
+    """The most bytes an answer to a completions request of `fields` is read for: ANSWER_BYTES_FLOOR, and
+    ANSWER_BYTES_PER_TOKEN for each token it may hold (`max_tokens`, with `echo` also the prompt's: a text
+    prompt's characters, at least its tokens) in each place it may list it (the text, `logprobs.tokens`, each
+    of the top `logprobs`), for each of its `n` choices."""
+    def count(name: str, default: int) -> int:
+        value = fields.get(name)
+        return value if isinstance(value, int) and not isinstance(value, bool) and value >= 0 else default
+
+    tokens = count("max_tokens", OPENAI_DEFAULT_MAX_TOKENS)
+    if fields.get("echo") and isinstance(fields.get("prompt"), (str, list)):
+        tokens += len(fields["prompt"])
+    return ANSWER_BYTES_FLOOR + ANSWER_BYTES_PER_TOKEN * tokens * (2 + count("logprobs", 0)) * max(count("n", 1), 1)
 
 
 # ---------------------------------------------------------------------------------------------------------
@@ -286,9 +347,10 @@ class CompletionsEndpoint:
     closed. A request is tried 1 + `retries` times when the connection fails, the deadline passes, or the
     server answers HTTP 429 or 5xx; before retry i (1, 2, ...) it waits what a 429/503 `Retry-After` header
     asks (at most `max_retry_after_s`), else `backoff_s * 2**(i-1)` seconds (defaults: 4 attempts, waits
-    1, 2, 4 s). Any other HTTP status, a body that is not JSON, or one without `choices[0].text` fails the
-    question at once. Errors are one line naming the URL. Proxy variables of the environment apply as urllib
-    applies them."""
+    1, 2, 4 s). Any other HTTP status, a body that is not JSON (or that Python's parser refuses: nested too
+    deep, an integer too long), one without `choices[0].text`, or one longer than `answer_byte_limit` (read no
+    further than that) fails the question at once. Errors are one line naming the URL. Proxy variables of the
+    environment apply as urllib applies them."""
 
     def __init__(self, url: str, model: str, *, parallel: int = 16, timeout_s: float = 600.0, retries: int = 3,
                  backoff_s: float = 1.0, api_key: str | None = None,
@@ -390,6 +452,7 @@ class CompletionsEndpoint:
 
     def _request(self, fields: dict, run: _Run | None) -> bytes:
         payload = json.dumps({"model": self.model, **fields}).encode("utf-8")
+        limit = answer_byte_limit(fields)
         attempts = self.retries + 1
         failure = _Transient("not tried")
         for attempt in range(attempts):
@@ -401,14 +464,15 @@ class CompletionsEndpoint:
                 elif run.stopped.wait(wait):
                     raise _Cancelled
             try:
-                return self._exchange(payload, run)
+                return self._exchange(payload, limit, run)
             except _Transient as e:
                 failure = e
         raise QuestionFailed(self.url, f"gave up after {attempts} attempt(s), the last: {failure}",
                              unreachable=failure.unreachable)
 
-    def _exchange(self, payload: bytes, run: _Run | None) -> bytes:
-        """POST the payload and read the whole answer within the deadline; the body of a 2xx answer."""
+    def _exchange(self, payload: bytes, limit: int, run: _Run | None) -> bytes:
+        """POST the payload and read the whole answer, at most `limit` bytes, within the deadline; the body of
+        a 2xx answer."""
         exchange = _Exchange()
         if run is not None:
             run.enter(exchange)
@@ -417,7 +481,7 @@ class CompletionsEndpoint:
         deadline.start()
         try:
             try:
-                body = self._post(payload, exchange)
+                body = self._post(payload, limit, exchange)
             except (_Transient, QuestionFailed):
                 self._raise_if_cut(exchange)
                 raise
@@ -434,19 +498,23 @@ class CompletionsEndpoint:
         if exchange.cut_reason == _DEADLINE:
             raise _Transient(f"no answer within {self.timeout_s:g} s")
 
-    def _post(self, payload: bytes, exchange: _Exchange) -> bytes:
+    def _post(self, payload: bytes, limit: int, exchange: _Exchange) -> bytes:
         request = urllib.request.Request(self.url, data=payload, headers=self._headers, method="POST")
-        opener = urllib.request.build_opener(_CuttableHTTPHandler(exchange), _CuttableHTTPSHandler(exchange))
+        opener = urllib.request.build_opener(_CuttableHTTPHandler(exchange), _CuttableHTTPSHandler(exchange),
+                                             _NoRedirect())
         try:
-            with opener.open(request, timeout=self.timeout_s) as response:
-                return response.read()
+            with opener.open(request, timeout=self.timeout_s) as response:  # closing it hangs up on the rest
+                return _read_capped(response, limit)
+        except _OverCap:  # a server that answers this much would again: not retried
+            raise QuestionFailed(self.url, f"answered more than {limit} bytes, more than the request can need; "
+                                 "read no further") from None
         except urllib.error.HTTPError as e:
             detail = _snippet(_error_body(e))
             if e.code == 429 or e.code >= 500:
                 wait = (retry_after_seconds(e.headers.get("Retry-After"), self.max_retry_after_s)
                         if e.code in (429, 503) and e.headers is not None else None)
                 raise _Transient(f"HTTP {e.code} {detail}", retry_after=wait) from e
-            raise QuestionFailed(self.url, f"answered HTTP {e.code}: {detail}") from e
+            raise QuestionFailed(self.url, f"answered {_status(e)}: {detail}") from e
         except TimeoutError as e:
             raise _Transient(f"no answer within {self.timeout_s:g} s") from e
         except urllib.error.URLError as e:
@@ -460,8 +528,11 @@ class CompletionsEndpoint:
         """The answer's JSON, which must hold a non-empty `choices` list of objects."""
         try:
             data = json.loads(body)
-        except (json.JSONDecodeError, UnicodeDecodeError) as e:
-            raise QuestionFailed(self.url, f"answered malformed JSON: {_snippet(body)}") from e
+        except RecursionError:
+            raise QuestionFailed(self.url, f"answered malformed JSON (nested too deep): {_snippet(body)}") from None
+        except ValueError as e:  # also bytes not UTF-8, and an integer past Python's int-from-string limit
+            reason = str(e).split(";")[0]  # the limit's message goes on with advice for programmers
+            raise QuestionFailed(self.url, f"answered malformed JSON ({reason}): {_snippet(body)}") from None
         choices = data.get("choices") if isinstance(data, dict) else None
         if not isinstance(choices, list) or not choices or not all(isinstance(c, dict) for c in choices):
             raise QuestionFailed(self.url, f"answered without choices: {_snippet(body)}")
@@ -476,8 +547,8 @@ class CompletionsEndpoint:
         usage = data.get("usage")
         tokens = usage.get("completion_tokens") if isinstance(usage, dict) else None
         reason = choices[0].get("finish_reason")
-        return EndpointCompletion(text, tokens if isinstance(tokens, int) else None,
-                                  reason if isinstance(reason, str) else None)
+        counted = isinstance(tokens, int) and not isinstance(tokens, bool) and tokens >= 0  # JSON true is an int here
+        return EndpointCompletion(text, tokens if counted else None, reason if isinstance(reason, str) else None)
 
 
 def _error_body(error: urllib.error.HTTPError) -> bytes:
@@ -489,5 +560,6 @@ def _error_body(error: urllib.error.HTTPError) -> bytes:
 
 
 def _snippet(body: bytes, limit: int = 200) -> str:
-    text = body.decode("utf-8", errors="replace").strip()
-    return repr(text if len(text) <= limit else text[:limit] + "...")
+    """The start of a body for an error line; only its first bytes are decoded (an answer may be megabytes)."""
+    text = body[:4 * limit].decode("utf-8", errors="replace").strip()  # UTF-8: at most 4 bytes a character
+    return repr(text if len(text) <= limit and len(body) <= 4 * limit else text[:limit] + "...")

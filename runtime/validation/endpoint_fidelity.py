@@ -11,6 +11,7 @@ positions whose contexts are the same without teacher forcing - and the report s
 
 from __future__ import annotations
 
+import math
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Protocol
@@ -27,6 +28,7 @@ TEACHER_FORCED = "teacher-forced on the reference's tokens (echo)"
 SHARED_PREFIX = "over the tokens both generations share (the server refused echo)"
 
 TokenKey = int | str  # a token id where the server names tokens by id, else the token's text
+LOGPROB_ROUNDING = 1e-3  # how far above 0 a server's rounding may put a log-probability
 
 
 @dataclass(frozen=True)
@@ -52,7 +54,38 @@ class LogprobSource(Protocol):
 
 
 def token_key(name: str) -> TokenKey:
-    return int(name[len(TOKEN_ID_PREFIX):]) if name.startswith(TOKEN_ID_PREFIX) else name
+    """A token as a server names it: `token_id:<id>` -> the id, else the text. ValueError for anything else."""
+    if not isinstance(name, str):
+        raise ValueError(f"a token named {_short(name)}, not by a string")
+    if not name.startswith(TOKEN_ID_PREFIX):
+        return name
+    digits = name[len(TOKEN_ID_PREFIX):]
+    if not (digits.isascii() and digits.isdigit() and len(digits) <= 18):  # int() takes ' 7', '+7', '٧' and more
+        raise ValueError(f"token {_short(name)} names no token id")
+    return int(digits)
+
+
+def _logprob(value: object) -> float:
+    """A log-probability as a server gives it; ValueError unless a finite number <= 0 (rounding aside), what
+    the KL estimate's exp() and log() can take."""
+    if (isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value)
+            or value > LOGPROB_ROUNDING):
+        raise ValueError(f"log-probability {_short(value)} is not a finite number <= 0")
+    return float(value)
+
+
+def _top(top: object) -> dict[TokenKey, float]:
+    """One position's top-k {token: log-probability}; None (echo's first position) is none."""
+    if top is None:
+        return {}
+    if not isinstance(top, dict):
+        raise ValueError(f"a top_logprobs entry is {_short(top)}, not an object")
+    return {token_key(k): _logprob(v) for k, v in top.items()}
+
+
+def _short(value: object, limit: int = 40) -> str:
+    text = repr(value)
+    return text if len(text) <= limit else text[:limit] + "..."
 
 
 class EndpointLogprobs:
@@ -69,15 +102,20 @@ class EndpointLogprobs:
             raise EndpointError(f"{self.name}: answered without log-probabilities; fidelity needs `logprobs`")
         return logprobs
 
-    @staticmethod
-    def _positions(logprobs: dict, first: int) -> list[Scored]:
-        tops = logprobs.get("top_logprobs") or []
-        return [Scored(token_key(t), {token_key(k): float(v) for k, v in (top or {}).items()})
-                for t, top in zip(logprobs["tokens"][first:], tops[first:], strict=True)]
+    def _positions(self, logprobs: dict) -> list[Scored]:
+        """Every position of a `logprobs` answer; EndpointError naming the server for anything but a token and
+        its top-k of log-probabilities at each."""
+        tokens, tops = logprobs["tokens"], logprobs.get("top_logprobs", [])  # absent: right for no tokens only
+        try:
+            if not isinstance(tops, list) or len(tops) != len(tokens):
+                raise ValueError(f"{len(tokens)} tokens but top_logprobs is not a list of as many")
+            return [Scored(token_key(t), _top(top)) for t, top in zip(tokens, tops, strict=True)]
+        except ValueError as e:
+            raise EndpointError(f"{self.name}: answered unusable log-probabilities ({e})") from None
 
     def generate(self, prompt: list[int], max_tokens: int, stop: Sequence[str], top_k: int) -> list[Scored]:
         return self._positions(self._logprobs({"prompt": prompt, "max_tokens": max_tokens, "stop": list(stop),
-                                               "logprobs": top_k}), 0)
+                                               "logprobs": top_k}))
 
     def score(self, sequence: list[int], top_k: int) -> list[Scored]:
         try:
@@ -86,10 +124,11 @@ class EndpointLogprobs:
             if "HTTP 400" in e.reason or "HTTP 422" in e.reason:
                 raise EchoRefused(str(e)) from None
             raise
-        echoed = [token_key(t) for t in logprobs["tokens"][:len(sequence)]]
-        if len(echoed) < len(sequence) or (all(isinstance(t, int) for t in echoed) and echoed != sequence):
+        echoed = self._positions(logprobs)[:len(sequence)]
+        tokens = [s.token for s in echoed]
+        if len(tokens) < len(sequence) or (all(isinstance(t, int) for t in tokens) and tokens != sequence):
             raise EndpointError(f"{self.name}: an echo answer does not repeat the {len(sequence)} tokens it was sent")
-        return self._positions({k: v[:len(sequence)] for k, v in logprobs.items() if isinstance(v, list)}, 1)
+        return echoed[1:]
 
 
 class RuntimeLogprobs:

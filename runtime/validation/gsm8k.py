@@ -17,6 +17,7 @@ from pathlib import Path
 from typing import Any, Protocol
 
 from npuport.errors import NpuportError
+from npuport.jsonfile import parse_json
 
 PROTOCOLS = ("sglang", "sglang-classic", "lm-eval", "aisbench")
 DEFAULT_PROTOCOL = "sglang"
@@ -86,7 +87,7 @@ def load_records(path: str | Path | None = None, split: str = "test") -> list[GS
             if not line.strip():
                 continue
             try:
-                row = json.loads(line)
+                row = parse_json(line)
                 record = GSM8KRecord(str(row["question"]), str(row["answer"]))
                 gold_answer(record.answer)  # fail now, while the line number is at hand
             except (json.JSONDecodeError, TypeError, KeyError) as e:

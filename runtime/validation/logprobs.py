@@ -16,7 +16,7 @@ from dataclasses import dataclass
 
 import torch
 
-from npuport.runtime.generate import forward_logits
+from npuport.runtime.generate import prefilled_hidden
 from npuport.runtime.model import Qwen35
 
 LOGPROB_CHUNK = 256  # positions whose float32 log-softmax is held at once (x vocabulary)
@@ -44,14 +44,16 @@ def top_logprobs(logits: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tens
 @torch.no_grad()
 def sequence_logprobs(model: Qwen35, sequence: Sequence[int], top_k: int, start: int = 1) -> list[PositionLogprobs]:
     """Positions start..len(sequence) - 1 of `sequence` (token ids; start >= 1: the first token has no
-    distribution before it), each from the model's logits at the position before, in one forward pass."""
+    distribution before it), each from the model's logits at the position before, in one forward pass. The
+    logits are computed LOGPROB_CHUNK positions at a time: all of them, [T, V] in float32, would take 16 GB for a
+    32k-token prompt at Qwen3.5's vocabulary."""
     if not 1 <= start <= len(sequence):
         raise ValueError(f"start {start} outside 1..{len(sequence)}")
-    logits = forward_logits(model, [list(sequence)])[0][0]  # [T, V]
+    hidden = prefilled_hidden(model, [list(sequence)])[0]  # [T, hidden]
     out: list[PositionLogprobs] = []
     for s in range(start, len(sequence), LOGPROB_CHUNK):
         rows = range(s, min(s + LOGPROB_CHUNK, len(sequence)))
-        logprobs, values, ids = top_logprobs(logits[rows.start - 1 : rows.stop - 1], top_k)
+        logprobs, values, ids = top_logprobs(model.logits(hidden[rows.start - 1 : rows.stop - 1]), top_k)
         tokens = torch.tensor([sequence[i] for i in rows], device=logprobs.device)
         chosen = logprobs.gather(1, tokens[:, None])[:, 0].tolist()
         for j, i in enumerate(rows):

@@ -26,6 +26,13 @@ MAX_ROWS = 128  # prompts x n of one request
 MAX_STOP_STRINGS = 16  # each is searched for in the text every few tokens
 MAX_TOP_LOGPROBS = 20  # vLLM's default most; the OpenAI API allows 5 for completions and 20 for chat
 MAX_MESSAGES = 256
+MAX_TEMPLATE_KWARGS_CHARS = 64 * 1024  # of chat_template_kwargs as JSON: a template may write a value per message
+# apply_chat_template's own arguments (and the messages it renders): the server sets them; from a request they fail
+# the rendering or change what it returns, so they are not template variables a request may set
+RENDERER_ARGUMENTS = frozenset({
+    "conversation", "messages", "add_generation_prompt", "continue_final_message", "tokenize", "return_dict",
+    "return_tensors", "return_assistant_tokens_mask", "padding", "truncation", "max_length", "tokenizer_kwargs",
+    "sanitize_control_tokens"})
 SEED_RANGE = (-(1 << 63), (1 << 64) - 1)  # what torch.Generator.manual_seed takes
 SHOWN_CHARS = 100  # of a client's own text (a path, a model name) quoted back in an error
 TOKEN_ID_PREFIX = "token_id:"  # vLLM's `return_tokens_as_token_ids` spelling of a token
@@ -82,7 +89,9 @@ Prompt = str | list[int]  # text, or token ids as the API also takes them
 @dataclass(frozen=True)
 class Generation:
     """What every kind of request asks of the model: how many tokens, when to stop, how to sample, how many
-    choices per prompt, log-probabilities (top-k per token, None: none), and whether to stream."""
+    choices per prompt, log-probabilities (top-k per token, None: none), and whether to stream; and the most
+    tokens its prompts may have (`max_prompt_tokens`, the server's limit; None: only the model's context), for
+    the check once they are tokenized (`check_prompt_tokens`)."""
 
     max_tokens: int
     stop: list[str]
@@ -92,6 +101,7 @@ class Generation:
     stream: bool = False
     include_usage: bool = False  # stream_options.include_usage: a last chunk with the usage
     tokens_as_ids: bool = False  # vLLM's return_tokens_as_token_ids: tokens spelled `token_id:N`
+    max_prompt_tokens: int | None = None
 
 
 @dataclass(frozen=True)
@@ -103,9 +113,13 @@ class CompletionRequest:
 
 @dataclass(frozen=True)
 class ChatRequest:
+    """`template_kwargs`: vLLM's chat_template_kwargs, with the request's own template as `chat_template` when
+    the server allows one; `template_field`: the request field that template came from (None: the model's)."""
+
     messages: list[dict[str, str]]
     generation: Generation
-    template_kwargs: dict[str, Any] = field(default_factory=dict)  # vLLM's chat_template_kwargs
+    template_kwargs: dict[str, Any] = field(default_factory=dict)
+    template_field: str | None = None
 
 
 def _check_model(body: dict[str, Any], served_model: str) -> None:
@@ -120,8 +134,23 @@ def _token_ids(value: Any) -> bool:
                                                           for t in value)
 
 
-def _prompts(body: dict[str, Any]) -> list[Prompt]:
-    """`prompt`: a string, a list of strings, a list of token ids or a list of such lists (the API's four forms)."""
+def _prompt_too_long(what: str, tokens: int, max_prompt_tokens: int, param: str) -> RequestError:
+    return RequestError(HTTPStatus.BAD_REQUEST, f"{what} has {tokens} tokens; this server takes at most "
+                        f"{max_prompt_tokens} (npuport serve --max-prompt-tokens)", param, "prompt_too_long")
+
+
+def check_prompt_tokens(prompt_ids: Sequence[Sequence[int]], max_prompt_tokens: int | None, chat: bool) -> None:
+    """Refuse prompts, once tokenized, of more than max_prompt_tokens tokens (None: no limit of the server's):
+    a completion's `prompt`s, or a chat's `messages` as rendered (`chat`)."""
+    for i, ids in enumerate(prompt_ids):
+        if max_prompt_tokens is not None and len(ids) > max_prompt_tokens:
+            what, param = ("the rendered chat", "messages") if chat else (f"prompt {i}", "prompt")
+            raise _prompt_too_long(what, len(ids), max_prompt_tokens, param)
+
+
+def _prompts(body: dict[str, Any], max_prompt_tokens: int) -> list[Prompt]:
+    """`prompt`: a string, a list of strings, a list of token ids or a list of such lists (the API's four forms).
+    Token ids are counted here, before anything is tokenized or allocated; text once it is tokenized."""
     prompt = body.get("prompt")
     if isinstance(prompt, str) or _token_ids(prompt):
         prompts = [prompt]
@@ -133,11 +162,14 @@ def _prompts(body: dict[str, Any]) -> list[Prompt]:
     if len(prompts) > MAX_PROMPTS:
         raise refuse("prompt", f"'prompt' lists {len(prompts)} prompts; this server takes at most {MAX_PROMPTS} "
                                "per request")
+    for i, p in enumerate(prompts):
+        if not isinstance(p, str) and len(p) > max_prompt_tokens:
+            raise _prompt_too_long(f"prompt {i}", len(p), max_prompt_tokens, "prompt")
     return prompts
 
 
-def _generation(body: dict[str, Any], max_tokens_limit: int, prompts: int, max_tokens_names: Sequence[str],
-                logprobs: int | None) -> Generation:
+def _generation(body: dict[str, Any], max_tokens_limit: int, max_prompt_tokens: int, prompts: int,
+                max_tokens_names: Sequence[str], logprobs: int | None) -> Generation:
     stop = _field(body, "stop", (str, list), [])
     stop = [stop] if isinstance(stop, str) else stop
     if not all(isinstance(s, str) and s for s in stop) or len(stop) > MAX_STOP_STRINGS:
@@ -169,20 +201,23 @@ def _generation(body: dict[str, Any], max_tokens_limit: int, prompts: int, max_t
     if stream and logprobs is not None:
         raise refuse("logprobs", "log-probabilities are not streamed by this server; ask without stream")
     return Generation(max_tokens, list(stop), SamplingParams(temperature, top_p, seed), n, logprobs, stream,
-                      bool(options.get("include_usage")), _field(body, "return_tokens_as_token_ids", (bool,), False))
+                      bool(options.get("include_usage")), _field(body, "return_tokens_as_token_ids", (bool,), False),
+                      max_prompt_tokens)
 
 
-def parse_completion_request(body: Any, served_model: str, max_tokens_limit: int) -> CompletionRequest:
-    """A /v1/completions body: `prompt` (see _prompts), `max_tokens` (1 to max_tokens_limit), `temperature`,
-    `top_p`, `seed`, `stop`, `n`, `stream` (+ `stream_options.include_usage`), `echo`, `logprobs` (0 to
-    MAX_TOP_LOGPROBS), `model` (absent or the served name). Other fields are ignored, as the engines ignore
-    unknown ones. The model's context is checked once the prompts are tokenized (`check_context`)."""
+def parse_completion_request(body: Any, served_model: str, max_tokens_limit: int, *,
+                             max_prompt_tokens: int) -> CompletionRequest:
+    """A /v1/completions body: `prompt` (see _prompts; token ids at most max_prompt_tokens), `max_tokens` (1 to
+    max_tokens_limit), `temperature`, `top_p`, `seed`, `stop`, `n`, `stream` (+ `stream_options.include_usage`),
+    `echo`, `logprobs` (0 to MAX_TOP_LOGPROBS), `model` (absent or the served name). Other fields are ignored, as
+    the engines ignore unknown ones. The model's context (`check_context`) and max_prompt_tokens
+    (`check_prompt_tokens`) are checked again once the prompts are tokenized."""
     if not isinstance(body, dict):
         raise RequestError(HTTPStatus.BAD_REQUEST, "the body must be a JSON object")
     _check_model(body, served_model)
-    prompts = _prompts(body)
+    prompts = _prompts(body, max_prompt_tokens)
     logprobs = _bounded_int(body, "logprobs", None, 0, MAX_TOP_LOGPROBS)
-    generation = _generation(body, max_tokens_limit, len(prompts), ("max_tokens",), logprobs)
+    generation = _generation(body, max_tokens_limit, max_prompt_tokens, len(prompts), ("max_tokens",), logprobs)
     echo = _field(body, "echo", (bool,), False)
     if echo and generation.stream:
         raise refuse("echo", "'echo' is not streamed by this server; ask without stream")
@@ -204,10 +239,48 @@ def _message(value: Any, i: int) -> dict[str, str]:
     return {"role": value["role"], "content": content}
 
 
-def parse_chat_request(body: Any, served_model: str, max_tokens_limit: int) -> ChatRequest:
+def _template_kwargs(body: dict[str, Any], allow_chat_template: bool) -> tuple[dict[str, Any], str | None]:
+    """`chat_template_kwargs` (vLLM's: variables of the chat template, e.g. {"enable_thinking": false}) as the
+    renderer takes them, and the request field that brought a template of the request's own (None: none).
+
+    Refused: a renderer's argument (RENDERER_ARGUMENTS); more than MAX_TEMPLATE_KWARGS_CHARS of variables - a
+    template may write a variable once per message (many write eos_token, which a variable overrides), so their
+    size multiplies; and a template of the request's own - `chat_template_kwargs.chat_template` or, as vLLM also
+    reads it, `chat_template` - unless allow_chat_template: a template is code the server runs, and Jinja builds
+    a string of gigabytes from one expression."""
+    kwargs = dict(_field(body, "chat_template_kwargs", (dict,), {}))
+    for name in kwargs:
+        if name in RENDERER_ARGUMENTS:
+            raise refuse(f"chat_template_kwargs.{name}", f"'chat_template_kwargs.{name}' is set by this server, "
+                                                         "not by a request")
+    given = {"chat_template_kwargs.chat_template": kwargs.pop("chat_template", None),
+             "chat_template": body.get("chat_template")}
+    templates = {name: value for name, value in given.items() if value is not None}
+    for name in templates:
+        if not allow_chat_template:
+            raise refuse(name, f"'{name}' replaces the model's chat template, which this server does not let a "
+                               "request do (npuport serve --allow-client-chat-template allows it)")
+    size = len(json.dumps(kwargs))
+    if size > MAX_TEMPLATE_KWARGS_CHARS:
+        raise refuse("chat_template_kwargs", f"'chat_template_kwargs' is {size:,} characters of JSON; this server "
+                                             f"takes at most {MAX_TEMPLATE_KWARGS_CHARS:,}")
+    if not templates:
+        return kwargs, None
+    if len(templates) > 1:
+        raise refuse("chat_template", "'chat_template' and 'chat_template_kwargs.chat_template' are both given; "
+                                      "give the template once")
+    [(name, template)] = templates.items()
+    if not isinstance(template, str) or not template:
+        raise RequestError(HTTPStatus.BAD_REQUEST, f"'{name}' must be a non-empty string", name, "invalid_type")
+    return {**kwargs, "chat_template": template}, name
+
+
+def parse_chat_request(body: Any, served_model: str, max_tokens_limit: int, *, max_prompt_tokens: int,
+                       allow_chat_template: bool = False) -> ChatRequest:
     """A /v1/chat/completions body: `messages` (at most MAX_MESSAGES), `max_completion_tokens` or `max_tokens`,
-    `logprobs` (true/false) with `top_logprobs` (0 to MAX_TOP_LOGPROBS), `chat_template_kwargs` (vLLM's, e.g.
-    {"enable_thinking": false}), and the fields completions take (`n`, `stop`, `stream`, sampling)."""
+    `logprobs` (true/false) with `top_logprobs` (0 to MAX_TOP_LOGPROBS), `chat_template_kwargs` (see
+    _template_kwargs; the request's own template only with allow_chat_template), and the fields completions take
+    (`n`, `stop`, `stream`, sampling). The rendered prompt is checked against max_prompt_tokens once tokenized."""
     if not isinstance(body, dict):
         raise RequestError(HTTPStatus.BAD_REQUEST, "the body must be a JSON object")
     _check_model(body, served_model)
@@ -219,10 +292,10 @@ def parse_chat_request(body: Any, served_model: str, max_tokens_limit: int) -> C
     wants = _field(body, "logprobs", (bool,), False)
     if top is not None and not wants:
         raise refuse("top_logprobs", "'top_logprobs' needs 'logprobs': true")
-    generation = _generation(body, max_tokens_limit, 1, ("max_completion_tokens", "max_tokens"),
+    generation = _generation(body, max_tokens_limit, max_prompt_tokens, 1, ("max_completion_tokens", "max_tokens"),
                              (top or 0) if wants else None)
-    kwargs = _field(body, "chat_template_kwargs", (dict,), {})
-    return ChatRequest(messages, generation, dict(kwargs))
+    kwargs, template_field = _template_kwargs(body, allow_chat_template)
+    return ChatRequest(messages, generation, kwargs, template_field)
 
 
 def check_context(prompt_ids: list[list[int]], max_tokens: int, context_tokens: int, vocab: int) -> None:

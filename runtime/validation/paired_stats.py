@@ -67,15 +67,20 @@ def paired_bootstrap_interval(reference: Sequence[bool], candidate: Sequence[boo
 
 
 def wilson_interval(correct: Sequence[bool], confidence: float = DEFAULT_CONFIDENCE) -> tuple[float, float]:
-    """Wilson score interval of the accuracy sum(correct)/len(correct)."""
+    """Wilson score interval of the accuracy sum(correct)/len(correct). At none or all correct the bound on that
+    side is exactly 0 or 1, as the formula says: computed in floats it lands a rounding off (2.8e-17 above an
+    accuracy of 0), and an interval that does not hold its own accuracy breaks every error bar drawn from it."""
     n = len(correct)
     if not n:
         raise ValueError("no questions")
-    p = sum(bool(c) for c in correct) / n
+    k = sum(bool(c) for c in correct)
+    p = k / n
     z = NormalDist().inv_cdf(1 - (1 - confidence) / 2)
     center = (p + z * z / (2 * n)) / (1 + z * z / n)
     half = z / (1 + z * z / n) * math.sqrt(p * (1 - p) / n + z * z / (4 * n * n))
-    return max(0.0, center - half), min(1.0, center + half)
+    low = 0.0 if k == 0 else min(p, max(0.0, center - half))
+    high = 1.0 if k == n else max(p, min(1.0, center + half))
+    return low, high
 
 
 @dataclass(frozen=True)

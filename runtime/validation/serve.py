@@ -10,14 +10,21 @@ against it and tested, while the engines' stack would add three dependencies to 
 API needs.
 
 A client cannot make the server hold more than it allows: every request field that sizes work is checked before
-anything is allocated (`max_tokens` against `--max-tokens-limit` and the model's context, the prompt against the
-context, `n`, the number of prompts, top log-probabilities, the body size), a request must arrive whole within
-`--request-timeout`, at most `--max-connections` connections are served at once (the next ones get 503 at once),
-and with `--api-key` every /v1 request needs `Authorization: Bearer <key>`. Every error is answered in the OpenAI
-shape without the server's internals."""
+anything is allocated (`max_tokens` against `--max-tokens-limit` and the model's context; prompts against
+`--max-prompt-tokens` and the context, token ids as the body is read and text once tokenized; `n`, the number of
+prompts, top log-probabilities, the chat template's variables, the body size), and a chat template of the
+request's own is refused unless the operator passes `--allow-client-chat-template` (a template is code the server
+runs). A connection has `--header-timeout` to send its request line and headers (at most MAX_HEAD_BYTES), then
+`--request-timeout` for its body; at most `--max-pending-connections` connections may be sending their requests at
+once, and `--max-connections` requests - counted once one has arrived whole and passed the API key - are served at
+once (one more, of either kind, gets 503 at once), so clients that send nothing, or a byte at a time, never hold a
+slot that a real request needs. With `--api-key` every /v1 request needs `Authorization: Bearer <key>`. The host
+may be an IPv4 or IPv6 address or a name; a port in use is one line of error. Every error is answered in the
+OpenAI shape without the server's internals."""
 
 from __future__ import annotations
 
+import functools
 import hmac
 import io
 import ipaddress
@@ -27,7 +34,8 @@ import sys
 import threading
 import time
 import traceback
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 from http import HTTPStatus
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
@@ -36,7 +44,9 @@ from typing import Any
 
 from npuport.errors import NpuportError
 from npuport.runtime.validation.completions import RuntimeCompletions
+from npuport.runtime.validation.gsm8k import chat_template_source
 from npuport.runtime.validation.openai_api import (
+    ChatRequest,
     RequestError,
     error_body,
     models_object,
@@ -45,11 +55,12 @@ from npuport.runtime.validation.openai_api import (
     shown,
     sse,
 )
-from npuport.runtime.validation.service import OpenAIService
+from npuport.runtime.validation.service import OpenAIService, Prepared, peer_closed
 
 DEFAULT_HOST = "127.0.0.1"
 API_KEY_ENV = "NPUPORT_API_KEY"  # npuport/cli.py names it too: the command line starts without torch
 MAX_BODY_BYTES = 16 * 1024 * 1024
+MAX_HEAD_BYTES = 64 * 1024  # the request line and headers: clients send a few hundred bytes
 BODY_CHUNK_BYTES = 64 * 1024
 LISTEN_BACKLOG = 128  # connections the kernel holds until accepted (each then gets a thread or a 503 at once)
 
@@ -62,19 +73,33 @@ def print_to_stderr(line: str) -> None:
 
 @dataclass(frozen=True)
 class ServeLimits:
-    """What one client may ask of the server; each has a command-line option of `npuport serve`.
+    """What one client may ask of the server; each has a command-line option of `npuport serve` (which names
+    the same defaults).
 
     max_tokens: the largest `max_tokens` a request may ask for (the model's context bounds it too).
-    request_timeout_s: seconds a client has to send its whole request (headers and body) after connecting;
-        also the longest a single write of the answer may wait for the client to read.
-    max_connections: connections served at once; one more is answered 503 and closed."""
+    request_timeout_s: seconds a client has to send the body once its headers have arrived; also the longest a
+        single write of the answer may wait for the client to read.
+    max_connections: requests served at once, counted once a request has arrived whole and passed the API key;
+        one more is answered 503.
+    max_prompt_tokens: the most tokens a prompt may have (the model's context bounds it too): token ids are
+        counted as the body is read, text once tokenized.
+    header_timeout_s: seconds a client has, from connecting, to send its request line and headers.
+    max_pending_connections: connections still sending their request line, headers or body (each has a thread);
+        one more is answered 503 and closed at once.
+    allow_client_chat_template: whether a chat request may bring a chat template of its own. A template is code
+        the server runs, with no bound on the memory it takes: only for clients trusted with the machine."""
 
     max_tokens: int = 4096
     request_timeout_s: float = 30.0
     max_connections: int = 32
+    max_prompt_tokens: int = 32768
+    header_timeout_s: float = 5.0
+    max_pending_connections: int = 256
+    allow_client_chat_template: bool = False
 
     def __post_init__(self) -> None:
-        if self.max_tokens < 1 or self.max_connections < 1 or not self.request_timeout_s > 0:
+        counts = (self.max_tokens, self.max_connections, self.max_prompt_tokens, self.max_pending_connections)
+        if min(counts) < 1 or not (self.request_timeout_s > 0 and self.header_timeout_s > 0):
             raise NpuportError(f"serve limits must be positive, got {self}")
 
 
@@ -93,10 +118,39 @@ def exposure_warning(address: str, key_required: bool) -> str | None:
     return f"warning: listening on {address}, beyond this machine's loopback: {who}"
 
 
+def host_port(host: str, port: int) -> str:
+    """`host:port` as a URL writes it: an IPv6 address in brackets."""
+    return f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
+
+
+def listening_family(host: str, port: int) -> socket.AddressFamily:
+    """The address family to listen on `host` with: IPv4 where the host has an IPv4 address (a name such as
+    localhost keeps listening where IPv4 clients reach it), else IPv6 (`::1`, `::`, an IPv6-only name). "" is
+    every interface, as bind takes it."""
+    families = [family for family, *_ in socket.getaddrinfo(host or None, port, type=socket.SOCK_STREAM,
+                                                            flags=socket.AI_PASSIVE)]
+    return socket.AF_INET if socket.AF_INET in families else families[0]
+
+
+class _Slot:
+    """A slot taken from `bound`, given back once: by whichever of its holders is done with it first."""
+
+    def __init__(self, bound: threading.BoundedSemaphore) -> None:
+        self._bound = bound
+        self._held = True
+
+    def release(self) -> None:
+        if self._held:
+            self._held = False
+            self._bound.release()
+
+
 class CompletionsServer(ThreadingHTTPServer):
     """The HTTP server: `runner`'s model behind an OpenAIService (batches of at most runner.batch_size rows);
-    `served_model` is the name clients use. At most `limits.max_connections` connections get a thread; `log` gets
-    a line per request, `report` the details of internal errors (which clients only see as "internal error")."""
+    `served_model` is the name clients use. A connection gets a thread while fewer than
+    `limits.max_pending_connections` are still sending their requests, and a request is served while fewer than
+    `limits.max_connections` are; `log` gets a line per request, `report` the details of internal errors (which
+    clients only see as "internal error")."""
 
     daemon_threads = True
 
@@ -107,19 +161,27 @@ class CompletionsServer(ThreadingHTTPServer):
             raise NpuportError("the API key is empty; give a key or none")
         self.request_queue_size = LISTEN_BACKLOG  # read by server_activate
         try:
-            super().__init__(address, _Handler)
+            self.address_family = listening_family(*address)  # read by the socket's creation
+            super().__init__(address, _Handler, bind_and_activate=False)
         except OSError as e:
-            raise NpuportError(f"cannot listen on {address[0]}:{address[1]}: {e.strerror or e}") from None
+            raise NpuportError(f"cannot listen on {host_port(*address)}: {e.strerror or e}") from None
+        try:
+            self.server_bind()
+            self.server_activate()
+        except OSError as e:
+            self.socket.close()
+            raise NpuportError(f"cannot listen on {host_port(*address)}: {e.strerror or e}") from None
         try:
             self.service = OpenAIService(runner, served_model, runner.batch_size)
         except BaseException:
-            super().server_close()
+            self.socket.close()
             raise
         self.limits = limits
         self.api_key = api_key
         self.log = log
         self.report = report
-        self._slots = threading.BoundedSemaphore(limits.max_connections)
+        self._pending = threading.BoundedSemaphore(limits.max_pending_connections)
+        self._serving = threading.BoundedSemaphore(limits.max_connections)
 
     def server_close(self) -> None:
         super().server_close()
@@ -127,30 +189,48 @@ class CompletionsServer(ThreadingHTTPServer):
 
     @property
     def url(self) -> str:
-        host, port = self.server_address[:2]
-        return f"http://{host}:{port}"
+        return f"http://{host_port(*self.server_address[:2])}"
 
     def process_request(self, request: socket.socket, client_address: Any) -> None:
-        """A thread for the connection while fewer than max_connections are open; else 503 at once."""
-        if not self._slots.acquire(blocking=False):
+        """A thread for the connection while fewer than max_pending_connections are sending their requests; else
+        503 at once."""
+        if not self._pending.acquire(blocking=False):
             self._refuse_busy(request, client_address)
             return
         try:
             super().process_request(request, client_address)
         except BaseException:
-            self._slots.release()
+            self._pending.release()
             raise
 
     def process_request_thread(self, request: socket.socket, client_address: Any) -> None:
+        """ThreadingMixIn's, handing the connection's pending slot to its handler, which gives it back once the
+        request has arrived whole; else it goes back when the connection ends."""
+        pending = _Slot(self._pending)
         try:
-            super().process_request_thread(request, client_address)
+            _Handler(request, client_address, self, pending)
+        except Exception:
+            self.handle_error(request, client_address)
         finally:
-            self._slots.release()
+            pending.release()
+            self.shutdown_request(request)
+
+    @contextmanager
+    def serving(self) -> Iterator[None]:
+        """One of the max_connections slots while a request that arrived whole is served; 503 when none is free."""
+        if not self._serving.acquire(blocking=False):
+            raise RequestError(HTTPStatus.SERVICE_UNAVAILABLE, f"the server is serving {self.limits.max_connections} "
+                               "requests; retry shortly", None, "server_busy")
+        try:
+            yield
+        finally:
+            self._serving.release()
 
     def _refuse_busy(self, request: socket.socket, client_address: Any) -> None:
         """Answer 503 without reading the request, on the accepting thread: never blocks (the answer fits the
         fresh socket's send buffer, and a client that cannot take it is not waited for)."""
-        message = f"the server has {self.limits.max_connections} connections open; retry shortly"
+        pending = self.limits.max_pending_connections
+        message = f"the server has {pending} connections still sending their requests; retry shortly"
         payload = json.dumps(error_body(HTTPStatus.SERVICE_UNAVAILABLE, message, None, "server_busy")).encode()
         head = (f"HTTP/1.0 503 Service Unavailable\r\nContent-Type: application/json\r\nContent-Length: "
                 f"{len(payload)}\r\nRetry-After: 1\r\nConnection: close\r\n\r\n").encode()
@@ -161,7 +241,7 @@ class CompletionsServer(ThreadingHTTPServer):
             pass
         self.shutdown_request(request)
         if self.log is not None:
-            self.log(f"{client_address[0]} refused: {self.limits.max_connections} connections open")
+            self.log(f"{client_address[0]} refused: {pending} connections still sending their requests")
 
     def handle_error(self, request: Any, client_address: Any) -> None:
         """A connection that failed outside a request (a client that reset it): one line, no traceback."""
@@ -175,14 +255,23 @@ class CompletionsServer(ThreadingHTTPServer):
         self.report(f"{where}: internal error: {type(error).__name__}: {error}{at}")
 
 
-class _ReadBeforeDeadline(io.RawIOBase):
-    """The reading side of a connection with one deadline for the whole request: each read waits at most the
-    time left, so a client that sends nothing, or a byte at a time, is cut off when the deadline passes
-    (a per-read timeout alone would let a byte every few seconds hold the connection for ever)."""
+class _HeadTooLarge(Exception):
+    """The request line and headers went past MAX_HEAD_BYTES."""
 
-    def __init__(self, connection: socket.socket, deadline: float) -> None:
+
+class _RequestReader(io.RawIOBase):
+    """The reading side of a connection, against a deadline: each read waits at most the time left, so a client
+    that sends nothing, or a byte at a time, is cut off when the deadline passes (a per-read timeout alone would
+    let a byte every few seconds hold the connection for ever). The head - request line and headers - has its
+    deadline and at most MAX_HEAD_BYTES; `start_body` gives the body a deadline of its own."""
+
+    def __init__(self, connection: socket.socket, head_deadline: float) -> None:
         self._connection = connection
-        self._deadline = deadline
+        self._deadline = head_deadline
+        self._head_left: int | None = MAX_HEAD_BYTES  # None once the body is read: Content-Length bounds it
+
+    def start_body(self, deadline: float) -> None:
+        self._deadline, self._head_left = deadline, None
 
     def readable(self) -> bool:
         return True
@@ -191,12 +280,26 @@ class _ReadBeforeDeadline(io.RawIOBase):
         left = self._deadline - time.monotonic()
         if left <= 0:
             raise TimeoutError("the request was not received in time")
+        into = memoryview(buffer)
+        if self._head_left is not None:
+            if self._head_left == 0:
+                raise _HeadTooLarge
+            into = into[:self._head_left]
         self._connection.settimeout(left)
-        return self._connection.recv_into(buffer)
+        received = self._connection.recv_into(into)
+        if self._head_left is not None:
+            self._head_left -= received
+        return received
 
 
 class _Handler(BaseHTTPRequestHandler):
     server: CompletionsServer
+    requestline = request_version = command = ""  # what a refusal before the request line is read logs
+
+    def __init__(self, request: socket.socket, client_address: Any, server: CompletionsServer,
+                 pending: _Slot) -> None:
+        self.pending = pending  # given back once the request has arrived whole
+        super().__init__(request, client_address, server)
 
     @property
     def timeout(self) -> float:  # read by StreamRequestHandler.setup: the timeout of each socket operation
@@ -204,8 +307,16 @@ class _Handler(BaseHTTPRequestHandler):
 
     def setup(self) -> None:
         super().setup()
-        self.rfile.close()  # replaced by a reader that enforces the deadline of the whole request
-        self.rfile = io.BufferedReader(_ReadBeforeDeadline(self.connection, time.monotonic() + self.timeout))
+        self.rfile.close()  # replaced by a reader that enforces the request's deadlines and the head's size
+        self.reader = _RequestReader(self.connection, time.monotonic() + self.server.limits.header_timeout_s)
+        self.rfile = io.BufferedReader(self.reader)
+
+    def handle_one_request(self) -> None:
+        try:
+            super().handle_one_request()
+        except _HeadTooLarge:
+            self.send_error(HTTPStatus.REQUEST_HEADER_FIELDS_TOO_LARGE,
+                            f"the request line and headers are more than {MAX_HEAD_BYTES} bytes")
 
     def do_GET(self) -> None:  # noqa: N802 - http.server's name
         self._respond(self._get)
@@ -224,19 +335,43 @@ class _Handler(BaseHTTPRequestHandler):
     def _post(self, path: str) -> dict[str, Any] | None:
         """The answer object, or None once a stream has been written."""
         self._check_api_key()
-        service, limit = self.server.service, self.server.limits.max_tokens
-        if path == "/v1/completions":
-            prepared = service.prepare_completion(parse_completion_request(self._body(), service.served_model,
-                                                                           limit))
-        elif path == "/v1/chat/completions":
-            prepared = service.prepare_chat(parse_chat_request(self._body(), service.served_model, limit))
-        else:
+        if path not in ("/v1/completions", "/v1/chat/completions"):
             raise RequestError(HTTPStatus.NOT_FOUND, f"no such path {shown(self.path)!r}; POST /v1/completions or "
                                                      "/v1/chat/completions", None, "not_found")
-        if not prepared.generation.stream:
-            return service.answer(prepared)
-        self._stream(lambda write: service.stream(prepared, write))
-        return None
+        body = self._body()
+        self.pending.release()  # the request has arrived: from here it counts against max_connections
+        with self.server.serving():
+            service = self.server.service
+            prepared = self._prepare(path, body)
+            client_gone = functools.partial(peer_closed, self.connection)  # its rows then stop: cancelled
+            if not prepared.generation.stream:
+                return service.answer(prepared, client_gone=client_gone)
+            self._stream(lambda write: service.stream(prepared, write, client_gone=client_gone))
+            return None
+
+    def _prepare(self, path: str, body: Any) -> Prepared:
+        """The request read against this server's limits (max_prompt_tokens travels with it, for the service to
+        check once the prompts are tokenized) and made ready for the model."""
+        service, limits = self.server.service, self.server.limits
+        if path == "/v1/completions":
+            return service.prepare_completion(parse_completion_request(
+                body, service.served_model, limits.max_tokens, max_prompt_tokens=limits.max_prompt_tokens))
+        return self._prepare_chat(parse_chat_request(
+            body, service.served_model, limits.max_tokens, max_prompt_tokens=limits.max_prompt_tokens,
+            allow_chat_template=limits.allow_client_chat_template))
+
+    def _prepare_chat(self, request: ChatRequest) -> Prepared:
+        """service.prepare_chat; a failure of a template the request brought is put on the request field it came
+        from, not on the model's template file, which the service's message names."""
+        service = self.server.service
+        try:
+            return service.prepare_chat(request)
+        except RequestError as e:
+            if request.template_field is None or e.code != "chat_template":
+                raise
+            failure = str(e).removeprefix(f"{chat_template_source(service.runner.tokenizer)}: ")
+            raise RequestError(e.status, f"'{request.template_field}': {failure}", request.template_field,
+                               e.code) from None
 
     def _stream(self, produce: Callable[[Callable[[bytes], None]], None]) -> None:
         """A `text/event-stream` answer, written by produce(write) as it goes; the connection closes at its end.
@@ -289,7 +424,7 @@ class _Handler(BaseHTTPRequestHandler):
 
     def _body(self) -> Any:
         """The JSON body, read in chunks: memory grows with the bytes that arrive, not with the size a client
-        claims, and the whole body must arrive before the request's deadline."""
+        claims, and the whole body must arrive within request_timeout_s of the headers."""
         try:
             length = int(self.headers.get("Content-Length", ""))
         except ValueError:
@@ -299,6 +434,7 @@ class _Handler(BaseHTTPRequestHandler):
                                f"at most {MAX_BODY_BYTES}", None, "request_too_large")
         if length < 0:
             raise RequestError(HTTPStatus.BAD_REQUEST, "Content-Length must not be negative")
+        self.reader.start_body(time.monotonic() + self.server.limits.request_timeout_s)
         body = bytearray()
         while len(body) < length:
             chunk = self.rfile.read1(min(BODY_CHUNK_BYTES, length - len(body)))
@@ -328,6 +464,8 @@ class _Handler(BaseHTTPRequestHandler):
         self.send_header("Content-Length", str(len(payload)))
         if status == HTTPStatus.UNAUTHORIZED:
             self.send_header("WWW-Authenticate", "Bearer")
+        if status == HTTPStatus.SERVICE_UNAVAILABLE:
+            self.send_header("Retry-After", "1")
         self.end_headers()
         self.wfile.write(payload)
 

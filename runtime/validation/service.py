@@ -1,12 +1,20 @@
 """What `npuport serve` does with a request between its body and its answer: prompts tokenized (chat messages
 through the model's chat template) and checked against the model's context and vocabulary, rows - a prompt x n -
 handed to the batcher, and the rows' results put together as the OpenAI objects, whole or as stream chunks
-written as they come. No HTTP here: serve.py reads bodies and writes bytes."""
+written as they come. No HTTP here: serve.py reads bodies and writes bytes, and tells whether its client is still
+there (`client_gone`, e.g. `peer_closed` of the connection) - a request whose client left is cancelled.
+
+A text prompt is refused by its size before it is tokenized (its tokens cannot be counted without tokenizing it,
+which takes seconds and gigabytes for megabytes of text), and tokenized in the request's own thread, next to the
+others': no request waits for another's prompt to be tokenized."""
 
 from __future__ import annotations
 
 import queue
+import select
+import socket
 from collections.abc import Callable, Sequence
+from concurrent import futures
 from dataclasses import dataclass
 from http import HTTPStatus
 
@@ -25,6 +33,7 @@ from npuport.runtime.validation.openai_api import (
     chat_logprobs,
     chat_object,
     check_context,
+    check_prompt_tokens,
     completion_logprobs,
     completion_object,
     sse,
@@ -33,6 +42,32 @@ from npuport.runtime.validation.openai_api import (
 )
 
 Write = Callable[[bytes], None]
+ClientGone = Callable[[], bool]  # whether the client of a request has gone away
+CLIENT_CHECK_S = 0.25  # seconds between two looks at whether the client of a request waiting for the model is there
+# A text prompt of more bytes than this per token it may have (--max-prompt-tokens, else the model's context) is
+# refused untokenized: text averages about 4 bytes a token; 16 leaves room for text of long tokens (indentation,
+# rules of dashes), while 15 MB of text, which took 22 s and 2.6 GB to tokenize, is refused at once.
+PROMPT_BYTES_PER_TOKEN = 16
+
+
+def peer_closed(connection: socket.socket) -> bool:
+    """Whether the peer of `connection` has closed or reset it: what a server waiting on the model for a request
+    can ask of its connection, without waiting. Bytes sent and not read yet (a next request) do not count as
+    closed; a client that closes its sending side while it waits for the answer does."""
+    try:
+        if hasattr(select, "poll"):  # any descriptor; select() takes none past 1023
+            poller = select.poll()
+            poller.register(connection, select.POLLIN)
+            readable = bool(poller.poll(0))
+        else:
+            readable = bool(select.select([connection], [], [], 0)[0])
+        # readable: a peek returns at once - b"" at the end of the stream - where a socket with a timeout would
+        # otherwise wait for data first
+        return readable and connection.recv(1, socket.MSG_PEEK) == b""
+    except (BlockingIOError, InterruptedError, TimeoutError):
+        return False
+    except (OSError, ValueError):  # reset, or closed on this side
+        return True
 
 
 @dataclass(frozen=True)
@@ -48,13 +83,18 @@ class Prepared:
 
 
 class OpenAIService:
-    """The served model (`runner`, named `served_model` to clients) behind a RequestBatcher of `max_rows` rows."""
+    """The served model (`runner`, named `served_model` to clients) behind a RequestBatcher of `max_rows` rows.
+    max_prompt_bytes: the most bytes of text a prompt may have to be tokenized (None: PROMPT_BYTES_PER_TOKEN for
+    each token the request's prompts may have)."""
 
-    def __init__(self, runner: RuntimeCompletions, served_model: str, max_rows: int) -> None:
+    def __init__(self, runner: RuntimeCompletions, served_model: str, max_rows: int, *,
+                 max_prompt_bytes: int | None = None) -> None:
         if runner.context_tokens is None:
             raise NpuportError("the model's config.json states no max_position_embeddings; serve needs the "
                                "model's context to bound what a request may ask for")
-        self.runner, self.served_model = runner, served_model
+        if max_prompt_bytes is not None and max_prompt_bytes < 1:
+            raise NpuportError(f"the most bytes of a text prompt must be positive, got {max_prompt_bytes}")
+        self.runner, self.served_model, self.max_prompt_bytes = runner, served_model, max_prompt_bytes
         self.batcher = RequestBatcher(runner, max_rows)
 
     def close(self) -> None:
@@ -63,7 +103,11 @@ class OpenAIService:
     # -- requests in ------------------------------------------------------------------------------------------
 
     def prepare_completion(self, request: CompletionRequest) -> Prepared:
-        ids = [self.runner.encode(p) if isinstance(p, str) else list(p) for p in request.prompts]
+        ids: list[list[int]] = []
+        for i, prompt in enumerate(request.prompts):
+            ids.append(self._tokenized(prompt, request.generation, f"prompt {i}", "prompt")
+                       if isinstance(prompt, str) else list(prompt))
+            check_prompt_tokens(ids, request.generation.max_prompt_tokens, chat=False)
         self._check(ids, request.generation)
         texts = [p if isinstance(p, str) else self.runner.decode(p) for p in request.prompts] if request.echo else []
         return Prepared(ids, texts, request.generation, chat=False, echo=request.echo)
@@ -73,9 +117,21 @@ class OpenAIService:
             text = render_chat_prompt(self.runner.tokenizer, request.messages, request.template_kwargs)
         except NpuportError as e:
             raise RequestError(HTTPStatus.BAD_REQUEST, str(e), "messages", "chat_template") from None
-        ids = [self.runner.encode(text)]
+        ids = [self._tokenized(text, request.generation, "the rendered chat", "messages")]
+        check_prompt_tokens(ids, request.generation.max_prompt_tokens, chat=True)
         self._check(ids, request.generation)
         return Prepared(ids, [], request.generation, chat=True)
+
+    def _tokenized(self, text: str, generation: Generation, what: str, param: str) -> list[int]:
+        """The token ids of a text prompt (`what`, from request field `param`), refused untokenized when it has
+        more bytes than max_prompt_bytes."""
+        limit = self.max_prompt_bytes or PROMPT_BYTES_PER_TOKEN * (generation.max_prompt_tokens
+                                                                  or self.runner.context_tokens)
+        size = len(text.encode("utf-8"))
+        if size > limit:
+            raise RequestError(HTTPStatus.BAD_REQUEST, f"{what} is {size:,} bytes of text; this server tokenizes at "
+                               f"most {limit:,} bytes of a prompt", param, "prompt_too_long")
+        return self.runner.encode(text)
 
     def _check(self, ids: list[list[int]], generation: Generation) -> None:
         check_context(ids, generation.max_tokens, self.runner.context_tokens, self.runner.vocab_size)
@@ -88,9 +144,16 @@ class OpenAIService:
 
     # -- answers out ------------------------------------------------------------------------------------------
 
-    def answer(self, prepared: Prepared) -> dict:
-        """The whole answer object, once every row is done."""
-        rows = self.batcher.submit(self._job(prepared)).result()
+    def answer(self, prepared: Prepared, client_gone: ClientGone | None = None) -> dict:
+        """The whole answer object, once every row is done. While it waits, client_gone() is asked every
+        CLIENT_CHECK_S: once True, the rows are cancelled and ConnectionAbortedError raised."""
+        job = self._job(prepared)
+        future = self.batcher.submit(job)
+        while client_gone is not None and not futures.wait([future], CLIENT_CHECK_S).done:
+            if client_gone():
+                job.cancel()
+                raise ConnectionAbortedError("the client went away; its request is cancelled")
+        rows = future.result()
         answers = [self._answer(prepared, i, row) for i, row in enumerate(rows)]
         make = chat_object if prepared.chat else completion_object
         return make(self.served_model, answers, sum(map(len, prepared.prompt_ids)), _completion_tokens(rows))
@@ -109,11 +172,12 @@ class OpenAIService:
             logprobs = with_first_token(prepared.prompt_ids[prompt][0], logprobs, texter)
         return Answer(text, completion.finish_reason, logprobs)
 
-    def stream(self, prepared: Prepared, write: Write) -> None:
+    def stream(self, prepared: Prepared, write: Write, client_gone: ClientGone | None = None) -> None:
         """The answer as server-sent events, each row's text as it is generated, then each row's last piece
-        with its finish reason, the usage (if asked for) and [DONE]. If writing fails (the client went away),
-        the rows are cancelled and the error raised. If the model fails, an error event ends the stream and the
-        error is raised, for the caller to report."""
+        with its finish reason, the usage (if asked for) and [DONE]. If writing fails, or client_gone() - asked
+        every CLIENT_CHECK_S while nothing is written - says so, the client went away: the rows are cancelled
+        and the error raised (ConnectionAbortedError for client_gone). If the model fails, an error event ends the
+        stream and the error is raised, for the caller to report."""
         events: queue.SimpleQueue[tuple[int, list[int]] | None] = queue.SimpleQueue()
         job = self._job(prepared, on_tokens=lambda row, new: events.put((row, new)))
         future = self.batcher.submit(job)
@@ -121,7 +185,7 @@ class OpenAIService:
         chunks = ChunkMaker(self.served_model, prepared.chat)
         texts = [StreamedText(self.runner.decode, prepared.generation.stop) for _ in job.rows]
         try:
-            while (event := events.get()) is not None:
+            while (event := self._next_event(events, client_gone)) is not None:
                 row, new = event
                 if delta := texts[row].add(new):
                     write(sse(chunks.text(row, delta)))
@@ -135,6 +199,15 @@ class OpenAIService:
         except (ConnectionError, TimeoutError):
             job.cancel()
             raise
+
+    @staticmethod
+    def _next_event(events: queue.SimpleQueue, client_gone: ClientGone | None) -> tuple[int, list[int]] | None:
+        while True:
+            try:
+                return events.get(timeout=None if client_gone is None else CLIENT_CHECK_S)
+            except queue.Empty:
+                if client_gone is not None and client_gone():
+                    raise ConnectionAbortedError("the client went away; its request is cancelled") from None
 
 
 def _completion_tokens(rows: Sequence[RowAnswer]) -> int:
