@@ -39,6 +39,7 @@ import math
 import torch
 
 from npuport.kernels.launch import (
+    is_npu,
     jit,
     launch,
     launch_options,
@@ -126,7 +127,8 @@ def _row_sums(p, SCALE: tl.constexpr):
 
 # NPU budget (D = 256, BLOCK_N = 64, BM query rows): the query tile BM x 512 B, K and V blocks 2 x 32 KiB, scores and
 # weights BM x 256 B each in fp32, the accumulator BM x 1 KiB - 96 KiB at BM = 16 (decode, GROUP <= 16), 192 KiB at
-# BM = 64 (GROUP 8 and T = 8), 320 KiB at BM = 128 (GROUP 16 and T = 8: too much for an NPU's 192 KiB unified buffer).
+# BM = 64 (GROUP 8 and T = 8), 320 KiB at BM = 128 (GROUP 16 and T = 8: too much for an NPU's 192 KiB unified buffer);
+# over the ~70 KiB multi-buffering leaves from BM = 16 on, so the NPU launch turns it off.
 @jit
 def _split_kernel(q, k, v, start, m_ws, l_ws, acc_ws, T, Hq, Hkv, S, n_splits, sq_b, sq_t, sq_h, sk_b, sk_s, sk_h,
                   sv_b, sv_s, sv_h, qk_scale, GROUP: tl.constexpr, D: tl.constexpr, BD: tl.constexpr,
@@ -219,10 +221,12 @@ def _combine_kernel(m_ws, l_ws, acc_ws, gate, start, out, M, T, Hkv, S, n_splits
         tl.store(out + row[:, None] * D + dims[None, :], o, mask=ok)
 
 
-def block_keys(dtype: torch.dtype) -> int:
+def block_keys(dtype: torch.dtype, device: torch.device | None = None) -> int:
     """Keys per block for a cache of this dtype: BLOCK_N for 16-bit caches, half as many for float32 ones (the same
-    tile bytes)."""
-    return BLOCK_N if dtype.itemsize <= 2 else BLOCK_N // 2
+    tile bytes); on an NPU (`device`) half as many again, so that a query tile of 64 rows (GROUP 16, T = 4) and its
+    accumulator fit one core's unified buffer beside the K and V blocks in float32 too."""
+    keys = BLOCK_N if dtype.itemsize <= 2 else BLOCK_N // 2
+    return keys // 2 if device is not None and is_npu(device) else keys
 
 
 def split_warps(rows: int) -> int:
@@ -239,7 +243,7 @@ def decode_attention_triton(q: torch.Tensor, keys: torch.Tensor, values: torch.T
     plan_tokens: decode_attention's."""
     b, t, hq, d = q.shape
     s, hkv = keys.shape[1], keys.shape[2]
-    block_n = block_keys(keys.dtype) if block_n is None else block_n
+    block_n = block_keys(keys.dtype, q.device) if block_n is None else block_n
     if hq % hkv != 0 or split % block_n != 0 or not 16 <= block_n <= 128:
         raise ValueError(f"{hq} query heads over {hkv} kv heads, splits of {split} keys in blocks of {block_n}")
     group = hq // hkv
@@ -258,7 +262,7 @@ def decode_attention_triton(q: torch.Tensor, keys: torch.Tensor, values: torch.T
            q.stride(0), q.stride(1), q.stride(2), keys.stride(0), keys.stride(1), keys.stride(2), values.stride(0),
            values.stride(1), values.stride(2), d**-0.5 * LOG2E, GROUP=group, D=d, BD=block_d, BM=rows, SPLIT=split,
            BLOCK_N=block_n, SUM_SCALE=sum_scale,
-           **launch_options(q.device, num_warps=split_warps(rows), num_stages=2))
+           **launch_options(q.device, num_warps=split_warps(rows), num_stages=2, npu={"multibuffer": False}))
     tasks = b * t * hkv
     gate_strides = (0, 0, 0) if gate is None else (gate.stride(0), gate.stride(1), gate.stride(2))
     launch(_combine_kernel, persistent_grid(q.device, tasks), m_ws, l_ws, acc_ws, gate, start, out, tasks, t, hkv,

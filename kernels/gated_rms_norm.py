@@ -73,7 +73,7 @@ def _gated_rms_norm_kernel(x, gate, w, out, M, H, sx_a, sx_h, sg_a, sg_h, eps, N
     for row in range(tl.program_id(0), M, tl.num_programs(0)):
         a, h = tl.cast(row // H, tl.int64), tl.cast(row % H, tl.int64)
         x_row, g_row, o_row = x + a * sx_a + h * sx_h, gate + a * sg_a + h * sg_h, out + tl.cast(row, tl.int64) * N
-        rinv = inverse_rms(sum_of_squares(x_row, N), N, eps)
+        rinv = inverse_rms(sum_of_squares(x_row, N), N, eps, tl.arange(0, BLOCK))
         for start in tl.static_range(0, N, BLOCK):
             cols = start + tl.arange(0, BLOCK)
             ok = cols < N

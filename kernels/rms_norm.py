@@ -38,7 +38,7 @@ def rms_norm_reference(x: torch.Tensor, weight: torch.Tensor, eps: float) -> tor
 
 
 # NPU budget: one row of up to 8192 values of x, the residual (when added) and the weight in fp32: 96 KiB at
-# N = 8192, 60 KiB at 5120.
+# N = 8192, 60 KiB at 5120 - over the ~70 KiB multi-buffering leaves, so the NPU launch turns it off.
 @jit
 def _rms_norm_kernel(x, res, w, out, summed, M, N, sx_m, sr_m, so_m, ss_m, eps, BN: tl.constexpr,
                      HAS_RESIDUAL: tl.constexpr):
@@ -71,7 +71,8 @@ def _rms_norm_rows(x: torch.Tensor, residual: torch.Tensor | None, weight: torch
     launch(_rms_norm_kernel, persistent_grid(x.device, rows.shape[0]), rows, res, weight, out, summed,
            rows.shape[0], n, rows.stride(0), 0 if res is None else res.stride(0), out.stride(0),
            0 if summed is None else summed.stride(0), eps, BN=block, HAS_RESIDUAL=res is not None,
-           **launch_options(x.device, num_warps=8 if block >= 4096 else 4 if block >= 1024 else 1))
+           **launch_options(x.device, num_warps=8 if block >= 4096 else 4 if block >= 1024 else 1,
+                            npu={"multibuffer": False}))
     return out.view(x.shape), None if summed is None else summed.view(x.shape)
 
 
@@ -170,9 +171,12 @@ def sum_of_squares(x, N: tl.constexpr):
 
 
 @jit
-def inverse_rms(total, N: tl.constexpr, eps):
+def inverse_rms(total, N: tl.constexpr, eps, lanes):
     """rsqrt(total / N + eps) as PyTorch's CPU mean and rsqrt round it: a true division by N, then 1 / sqrt,
-    each correctly rounded (div_rn and sqrt_rn: the default GPU division and rsqrt are approximate)."""
+    each correctly rounded (div_rn and sqrt_rn: the default GPU division and rsqrt are approximate) - the same value
+    in every lane of `lanes` (the arange of the row's tiles): triton-ascend's adapter cannot lower a correctly
+    rounded division of scalars, and Triton folds a tile of one splatted value back into a scalar one."""
+    total = tl.where(lanes >= 0, total, 0.0)
     mean = tl.div_rn(total, tl.full([], N, tl.float32))
     return tl.div_rn(tl.full([], 1.0, tl.float32), tl.sqrt_rn(mean + eps))
 

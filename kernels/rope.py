@@ -53,7 +53,7 @@ def _rms_norm_rope_kernel(x, w, cos, sin, out, M, T, H, sx_b, sx_t, sx_h, sc_b, 
         at = tl.cast(row, tl.int64)
         h, t, b = at % H, (at // H) % T, at // (H * T)
         x_row = x + b * sx_b + t * sx_t + h * sx_h
-        rinv = inverse_rms(sum_of_squares(x_row, D), D, eps)
+        rinv = inverse_rms(sum_of_squares(x_row, D), D, eps, d)
         y = (tl.load(x_row + d, mask=ok, other=0.0).to(tl.float32) * rinv * scale).to(dtype).to(tl.float32)
         yp = tl.load(x_row + partner, mask=rotary, other=0.0).to(tl.float32) * rinv * partner_scale
         yp = yp.to(dtype).to(tl.float32)

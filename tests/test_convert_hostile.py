@@ -17,6 +17,7 @@ from click.testing import CliRunner
 
 from npuport.cli import main
 from npuport.convert.safetensors_io import read_header
+from tests.test_input_paths import one_line_error
 
 RECIPE = """\
 apiversion: modelslim_v1
@@ -56,14 +57,9 @@ def convert(src: Path, out: Path, *extra: str):
 
 def error_line(result, out: Path, *needles: str) -> str:
     """The one `error:` line of a failed run (exit 1, no traceback, nothing of OUT left), holding every needle."""
-    assert result.exit_code == 1, result.output
-    assert "Traceback" not in result.output
-    errors = [line for line in result.output.splitlines() if line.startswith("error:")]
-    assert len(errors) == 1, result.output
-    for needle in needles:
-        assert needle in errors[0], (needle, errors[0])
+    line = one_line_error(result, *needles)
     assert not out.exists() and not [p.name for p in out.parent.iterdir() if p.name.startswith(f".{out.name}")]
-    return errors[0]
+    return line
 
 
 def recipe_file(tmp_path: Path, text: str) -> Path:

@@ -11,7 +11,7 @@ from dataclasses import dataclass
 import torch
 
 from npuport.kernels.fused_moe.experts import StackedExperts
-from npuport.kernels.launch import jit, launch, launch_options, persistent_grid, tl
+from npuport.kernels.launch import is_npu, jit, launch, launch_options, persistent_grid, tl
 from npuport.kernels.w8a8.quantize import to_int8_values, token_scale
 
 
@@ -30,12 +30,16 @@ class FewTokensConfig:
 FEW_TOKENS = FewTokensConfig()
 
 
-def few_tokens_config(pairs: int) -> FewTokensConfig:
+def few_tokens_config(pairs: int, device: torch.device | None = None) -> FewTokensConfig:
     """Measured on an H100 at the 35B-A3B widths (bench/moe.py --sweep, bench/RESULTS.md, run P2): with up to 16
     routed pairs (batch 1-2 at top-8) [4, 512] weight tiles on both kernels stream best - one token's 8 experts in
     24.9 us against 27.4 for [16, 512] (BF16; W8A8 21.7 against 24.4), a lone shared expert in 7.1 us against
     9.4: small column tiles give enough programs to fill the GPU; with more pairs, [32, 512] for gate/up and
-    [8, 512] for down (8 tokens: 135 us BF16, 77 us W8A8, within 2% of the best tile of each)."""
+    [8, 512] for down (8 tokens: 135 us BF16, 77 us W8A8, within 2% of the best tile of each). An NPU (`device`;
+    None: the GPU's tiles, which the interpreter runs too) takes [8, 512] on both, unmeasured: two [32, 512] tiles
+    and their fp32 products fill a 910B core's 192 KiB unified buffer, twice over with multi-buffering."""
+    if device is not None and is_npu(device):
+        return FewTokensConfig(gate_up_bn=8, down_bn=8, bk=512)
     if pairs <= 16:
         return FewTokensConfig(gate_up_bn=4, down_bn=4, bk=512)
     return FEW_TOKENS
@@ -83,53 +87,6 @@ def _float_gate_up(a_row, gate_rows, up_rows, K, n_ok, BN: tl.constexpr, BK: tl.
     return acc.to(dt), acc_up.to(dt)
 
 
-# NPU budget (the default tiles): two weight tiles [32, 512] bf16 (2 x 32 KiB) and their fp32 products (2 x 64
-# KiB): 192 KiB, the whole unified buffer of an Ascend 910B core - an NPU config would take [16, 512].
-@jit
-def _pair_gate_up_kernel(a, a_scale, w, w_scale, shared_w, shared_scale, expert_ids, out, N, K, TOP_K, n_tasks,
-                         sa_m, sw_e, sw_n, sws_e, so_m, BN: tl.constexpr, BK: tl.constexpr, INT8: tl.constexpr,
-                         SHARED: tl.constexpr, QUANTIZE: tl.constexpr, SHARED_FLOAT: tl.constexpr):
-    """Task t = (pair p = t // tiles_n, column tile): out[p, n] = silu(gate) * up of token p // SLOTS through
-    the expert of slot p % SLOTS (gate rows n, up rows N + n of w [E, 2N, K]), rounded as grouped_gemm's GATED
-    epilogue rounds. SLOTS = TOP_K routed slots (expert_ids [M, TOP_K]), plus, when SHARED, slot TOP_K: the
-    shared expert shared_w [2N, K] (same row stride as w) - of w's kind, or a float one beside int8 routed
-    experts (SHARED_FLOAT). QUANTIZE: int8 experts, float tokens a, quantized per token here (the row's scale
-    from its absolute maximum, as quantize_per_token_int8) - no quantization launch, and the float row at hand
-    for a float shared expert."""
-    tiles_n = (N + BN - 1) // BN
-    slots = TOP_K + SHARED
-    for task in range(tl.program_id(0), n_tasks, tl.num_programs(0)):
-        p = task // tiles_n
-        token, slot = p // slots, p % slots
-        rn = task % tiles_n * BN + tl.arange(0, BN)
-        n_ok = rn < N
-        a_row = a + tl.cast(token, tl.int64) * sa_m
-        expert = tl.load(expert_ids + token * TOP_K + tl.minimum(slot, TOP_K - 1)).to(tl.int64)
-        gate_rows = w + expert * sw_e + rn[:, None].to(tl.int64) * sw_n
-        if SHARED and not SHARED_FLOAT:
-            gate_rows = tl.where(slot == TOP_K, shared_w + rn[:, None].to(tl.int64) * sw_n, gate_rows)
-        up_rows = gate_rows + tl.cast(N, tl.int64) * sw_n
-        dt = out.dtype.element_ty
-        if SHARED_FLOAT:
-            shared_rows = shared_w + rn[:, None].to(tl.int64) * sw_n
-            if slot == TOP_K:
-                gate, up = _float_gate_up(a_row, shared_rows, shared_rows + tl.cast(N, tl.int64) * sw_n, K, n_ok,
-                                          BN, BK, dt)
-            else:
-                gate, up = _int8_gate_up(a_row, a_scale, token, gate_rows, up_rows, w_scale + expert * sws_e + rn,
-                                         N, K, n_ok, BN, BK, QUANTIZE, dt)
-        elif INT8:
-            w_s = w_scale + expert * sws_e + rn
-            if SHARED:
-                w_s = tl.where(slot == TOP_K, shared_scale + rn, w_s)
-            gate, up = _int8_gate_up(a_row, a_scale, token, gate_rows, up_rows, w_s, N, K, n_ok, BN, BK, QUANTIZE, dt)
-        else:
-            gate, up = _float_gate_up(a_row, gate_rows, up_rows, K, n_ok, BN, BK, dt)
-        g = gate.to(tl.float32)
-        h = ((g / (1.0 + tl.exp(-g))).to(dt).to(tl.float32) * up.to(tl.float32)).to(dt)
-        tl.store(out + tl.cast(p, tl.int64) * so_m + rn, h, mask=n_ok)
-
-
 @jit
 def _int8_gate_up(a_row, a_scale, token, gate_rows, up_rows, w_s, N, K, n_ok, BN: tl.constexpr, BK: tl.constexpr,
                   QUANTIZE: tl.constexpr, dt):
@@ -149,7 +106,72 @@ def _int8_gate_up(a_row, a_scale, token, gate_rows, up_rows, w_s, N, K, n_ok, BN
     return gate, up
 
 
-# NPU budget (the default tiles): one weight tile [8, 512] bf16 (8 KiB) and its fp32 products (16 KiB).
+@jit
+def _expert_gate_up(a_row, a_scale, token, w_e, w_scale_e, rn, N, K, sw_n, n_ok, BN: tl.constexpr, BK: tl.constexpr,
+                    INT8: tl.constexpr, QUANTIZE: tl.constexpr, dt):
+    """(gate, up) [BN] in dt of a row through one expert: its weight w_e [2N, K] (row stride sw_n; gate rows rn, up
+    rows N + rn), int8 with per-channel scales w_scale_e [2N], or float (w_scale_e unused)."""
+    gate_rows = w_e + rn[:, None].to(tl.int64) * sw_n
+    up_rows = gate_rows + tl.cast(N, tl.int64) * sw_n
+    if INT8:
+        gate, up = _int8_gate_up(a_row, a_scale, token, gate_rows, up_rows, w_scale_e + rn, N, K, n_ok, BN, BK,
+                                 QUANTIZE, dt)
+    else:
+        gate, up = _float_gate_up(a_row, gate_rows, up_rows, K, n_ok, BN, BK, dt)
+    return gate, up
+
+
+@jit
+def _routed_gate_up(a_row, a_scale, token, slot, expert_ids, w, w_scale, rn, N, K, TOP_K, sw_e, sw_n, sws_e, n_ok,
+                    BN: tl.constexpr, BK: tl.constexpr, INT8: tl.constexpr, QUANTIZE: tl.constexpr, dt):
+    """_expert_gate_up through the expert of routed slot `slot` of the token (expert_ids [M, TOP_K])."""
+    expert = tl.load(expert_ids + token * TOP_K + slot).to(tl.int64)
+    if INT8:
+        w_scale_e = w_scale + expert * sws_e
+    else:
+        w_scale_e = w_scale
+    return _expert_gate_up(a_row, a_scale, token, w + expert * sw_e, w_scale_e, rn, N, K, sw_n, n_ok, BN, BK, INT8,
+                           QUANTIZE, dt)
+
+
+# NPU budget (the NPU's tiles, few_tokens_config): two weight tiles [8, 512] (2 x 8 KiB bf16, 2 x 16 KiB fp32) and
+# their fp32 products (2 x 16 KiB).
+@jit
+def _pair_gate_up_kernel(a, a_scale, w, w_scale, shared_w, shared_scale, expert_ids, out, N, K, TOP_K, n_tasks,
+                         sa_m, sw_e, sw_n, sws_e, so_m, BN: tl.constexpr, BK: tl.constexpr, INT8: tl.constexpr,
+                         SHARED: tl.constexpr, QUANTIZE: tl.constexpr, SHARED_FLOAT: tl.constexpr):
+    """Task t = (pair p = t // tiles_n, column tile): out[p, n] = silu(gate) * up of token p // SLOTS through
+    the expert of slot p % SLOTS (gate rows n, up rows N + n of w [E, 2N, K]), rounded as grouped_gemm's GATED
+    epilogue rounds. SLOTS = TOP_K routed slots (expert_ids [M, TOP_K]), plus, when SHARED, slot TOP_K: the
+    shared expert shared_w [2N, K] (same row stride as w) - of w's kind, or a float one beside int8 routed
+    experts (SHARED_FLOAT). QUANTIZE: int8 experts, float tokens a, quantized per token here (the row's scale
+    from its absolute maximum, as quantize_per_token_int8) - no quantization launch, and the float row at hand
+    for a float shared expert. The shared slot takes a branch of its own rather than choosing between its
+    pointers and a routed expert's with tl.where, which triton-ascend's adapter cannot lower."""
+    tiles_n = (N + BN - 1) // BN
+    slots = TOP_K + SHARED
+    dt = out.dtype.element_ty
+    for task in range(tl.program_id(0), n_tasks, tl.num_programs(0)):
+        p = task // tiles_n
+        token, slot = p // slots, p % slots
+        rn = task % tiles_n * BN + tl.arange(0, BN)
+        n_ok = rn < N
+        a_row = a + tl.cast(token, tl.int64) * sa_m
+        if SHARED:
+            if slot == TOP_K:
+                gate, up = _expert_gate_up(a_row, a_scale, token, shared_w, shared_scale, rn, N, K, sw_n, n_ok, BN,
+                                           BK, INT8 and not SHARED_FLOAT, QUANTIZE, dt)
+            else:
+                gate, up = _routed_gate_up(a_row, a_scale, token, slot, expert_ids, w, w_scale, rn, N, K, TOP_K,
+                                           sw_e, sw_n, sws_e, n_ok, BN, BK, INT8, QUANTIZE, dt)
+        else:
+            gate, up = _routed_gate_up(a_row, a_scale, token, slot, expert_ids, w, w_scale, rn, N, K, TOP_K, sw_e,
+                                       sw_n, sws_e, n_ok, BN, BK, INT8, QUANTIZE, dt)
+        g = gate.to(tl.float32)
+        h = ((g / (1.0 + tl.exp(-g))).to(dt).to(tl.float32) * up.to(tl.float32)).to(dt)
+        tl.store(out + tl.cast(p, tl.int64) * so_m + rn, h, mask=n_ok)
+
+
 @jit
 def _down_product(h_row, h_scale, p, w_rows, w_s, K, n_ok, BN: tl.constexpr, BK: tl.constexpr, INT8: tl.constexpr,
                   QUANTIZE: tl.constexpr, ONE_K_TILE: tl.constexpr, dt):
@@ -174,6 +196,23 @@ def _down_product(h_row, h_scale, p, w_rows, w_s, K, n_ok, BN: tl.constexpr, BK:
 
 
 @jit
+def _routed_down(h_row, h_scale, p, routed, expert_ids, route_weight, w, w_scale, rn, K, sw_e, sw_n, sws_e, n_ok,
+                 BN: tl.constexpr, BK: tl.constexpr, INT8: tl.constexpr, QUANTIZE: tl.constexpr,
+                 ONE_K_TILE: tl.constexpr, dt):
+    """(the product of routed pair `routed` (expert_ids' flat index) through its expert's rows rn, its weight)."""
+    expert = tl.load(expert_ids + routed).to(tl.int64)
+    if INT8:
+        w_s = w_scale + expert * sws_e + rn
+    else:
+        w_s = w_scale
+    y = _down_product(h_row, h_scale, p, w + expert * sw_e + rn[:, None].to(tl.int64) * sw_n, w_s, K, n_ok, BN, BK,
+                      INT8, QUANTIZE, ONE_K_TILE, dt)
+    return y, tl.load(route_weight + routed).to(tl.float32)
+
+
+# NPU budget (the NPU's tiles, few_tokens_config): one weight tile [8, 512] (8 KiB bf16, 16 KiB fp32) and its fp32
+# products (16 KiB).
+@jit
 def _token_down_kernel(h, h_scale, w, w_scale, shared_w, shared_scale, expert_ids, route_weight, shared_weight,
                        add_to, out, N, K, TOP_K, n_tasks, sh_m, sw_e, sw_n, sws_e, so_m, BN: tl.constexpr,
                        BK: tl.constexpr, INT8: tl.constexpr, ADD: tl.constexpr, SHARED: tl.constexpr,
@@ -183,8 +222,8 @@ def _token_down_kernel(h, h_scale, w, w_scale, shared_w, shared_scale, expert_id
     out's dtype as grouped_gemm's ROUTED epilogue rounds), starting from add_to[m, n] when ADD (else 0),
     rounded once at the end. Slots s < TOP_K: expert expert_ids[m, s] of w [E, N, K], weight route_weight[m, s];
     slot TOP_K when SHARED: the shared expert shared_w [N, K] (w's row stride), weight shared_weight[m] - of w's
-    kind, or float beside int8 routed experts (SHARED_FLOAT). QUANTIZE: int8 experts, h float, each row quantized
-    per token here (no quantization launch)."""
+    kind, or float beside int8 routed experts (SHARED_FLOAT), in a branch of its own (as _pair_gate_up_kernel's).
+    QUANTIZE: int8 experts, h float, each row quantized per token here (no quantization launch)."""
     tiles_n = (N + BN - 1) // BN
     slots = TOP_K + SHARED
     dt = out.dtype.element_ty
@@ -197,30 +236,23 @@ def _token_down_kernel(h, h_scale, w, w_scale, shared_w, shared_scale, expert_id
             total += tl.load(add_to + tl.cast(m, tl.int64) * so_m + rn, mask=n_ok, other=0.0).to(tl.float32)
         for s in range(0, slots):
             p = m * slots + s
-            routed = m * TOP_K + tl.minimum(s, TOP_K - 1)
-            expert = tl.load(expert_ids + routed).to(tl.int64)
-            w_rows = w + expert * sw_e + rn[:, None].to(tl.int64) * sw_n
-            weight = tl.load(route_weight + routed).to(tl.float32)
-            if SHARED and not SHARED_FLOAT:
-                w_rows = tl.where(s == TOP_K, shared_w + rn[:, None].to(tl.int64) * sw_n, w_rows)
-                weight = tl.where(s == TOP_K, tl.load(shared_weight + m).to(tl.float32), weight)
             h_row = h + tl.cast(p, tl.int64) * sh_m
-            if INT8:
-                w_s = w_scale + expert * sws_e + rn
-            else:
-                w_s = w_scale
-            if SHARED_FLOAT:
+            if SHARED:
                 if s == TOP_K:
-                    y = _down_product(h_row, h_scale, p, shared_w + rn[:, None].to(tl.int64) * sw_n, w_s, K, n_ok,
-                                      BN, BK, False, False, ONE_K_TILE, dt)
+                    if INT8 and not SHARED_FLOAT:
+                        shared_s = shared_scale + rn
+                    else:
+                        shared_s = shared_scale
+                    y = _down_product(h_row, h_scale, p, shared_w + rn[:, None].to(tl.int64) * sw_n, shared_s, K,
+                                      n_ok, BN, BK, INT8 and not SHARED_FLOAT, QUANTIZE and not SHARED_FLOAT,
+                                      ONE_K_TILE, dt)
                     weight = tl.load(shared_weight + m).to(tl.float32)
                 else:
-                    y = _down_product(h_row, h_scale, p, w_rows, w_s, K, n_ok, BN, BK, INT8, QUANTIZE, ONE_K_TILE,
-                                      dt)
+                    y, weight = _routed_down(h_row, h_scale, p, m * TOP_K + s, expert_ids, route_weight, w, w_scale,
+                                             rn, K, sw_e, sw_n, sws_e, n_ok, BN, BK, INT8, QUANTIZE, ONE_K_TILE, dt)
             else:
-                if SHARED and INT8:
-                    w_s = tl.where(s == TOP_K, shared_scale + rn, w_s)
-                y = _down_product(h_row, h_scale, p, w_rows, w_s, K, n_ok, BN, BK, INT8, QUANTIZE, ONE_K_TILE, dt)
+                y, weight = _routed_down(h_row, h_scale, p, m * TOP_K + s, expert_ids, route_weight, w, w_scale, rn,
+                                         K, sw_e, sw_n, sws_e, n_ok, BN, BK, INT8, QUANTIZE, ONE_K_TILE, dt)
             total += (y.to(tl.float32) * weight).to(dt).to(tl.float32)
         tl.store(out + tl.cast(m, tl.int64) * so_m + rn, total.to(dt), mask=n_ok)
 

@@ -63,7 +63,7 @@ def fused_experts_triton(x: torch.Tensor, experts: StackedExperts, weights: torc
         # riding along needs them float
         tokens, token_scales = (x_int8[0], x_int8[1].reshape(-1)) if arrived_int8 and not float_shared else (x, None)
         return few_tokens_experts(tokens, token_scales, experts, expert_ids, weights, x.dtype,
-                                  few_config or few_tokens_config(planned * slots),
+                                  few_config or few_tokens_config(planned * slots, x.device),
                                   shared=None if shared is None else shared[0],
                                   shared_weight=None if shared is None else shared[1].reshape(m, 1))
     if arrived_int8:
@@ -116,7 +116,7 @@ def add_weighted_expert(x: torch.Tensor, expert: StackedExperts, weight: torch.T
         return base + weight * expert_mlp_reference(x, expert, 0)
     ids = torch.zeros(m, 1, dtype=torch.int64, device=x.device)
     return few_tokens_experts(x, None, expert, ids, weight.reshape(m, 1), x.dtype,
-                              few_tokens_config(planned), add_to=base.contiguous())
+                              few_tokens_config(planned, x.device), add_to=base.contiguous())
 
 
 def routed_and_shared_experts(x: torch.Tensor, experts: StackedExperts, weights: torch.Tensor,
