@@ -23,8 +23,6 @@ from concurrent.futures import ProcessPoolExecutor
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
-# The target: an Atlas A2 training part, as GPUTarget(backend, arch, warp size) names it.
-ASCEND_TARGET = ("npu", "Ascend910B3", 0)
 # What triton.compile raises where the adapter's output goes to bishengir-compile, CANN's, which is absent: a
 # launch that gets there has lowered.
 BINARY_STAGE = "ConvertLinalgRToBinary"
@@ -399,7 +397,9 @@ class _Specialised:
         from triton.backends.compiler import GPUTarget
         from triton.compiler import ASTSource, make_backend
 
-        self.launch, self.target = launch, GPUTarget(*ASCEND_TARGET)
+        from npuport.devices import ASCEND_910B_TRITON_TARGET
+
+        self.launch, self.target = launch, GPUTarget(*ASCEND_910B_TRITON_TARGET)
         backend = make_backend(self.target)
         kernel = getattr(importlib.import_module(launch.module), launch.kernel)
         kwargs = {name: _value(spec) for name, spec in launch.args.items()} | launch.constexprs | launch.options

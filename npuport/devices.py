@@ -89,6 +89,10 @@ def multiprocessor_count(device: torch.device) -> int:
     return H200_MULTIPROCESSORS
 
 
+# The Triton target an Ascend 910B compiles for, as triton-ascend's GPUTarget(backend, arch, warp size) names it (an
+# Atlas A2 training part): what the lowering check compiles every kernel for where no NPU is there to ask.
+ASCEND_910B_TRITON_TARGET = ("npu", "Ascend910B3", 0)
+
 # Shared memory one block of an H100 / H200 may opt into: the budget where no GPU is there to ask (tests that
 # compile kernels for Hopper without one).
 HOPPER_SHARED_MEMORY_PER_BLOCK = 232448

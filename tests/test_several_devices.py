@@ -5,6 +5,8 @@ output: the same tokens, texts, stop decisions and acceptance for generate, the 
 from __future__ import annotations
 
 import json
+import os
+import time
 from pathlib import Path
 
 import pytest
@@ -85,24 +87,46 @@ def test_serve_on_two_devices_answers_as_on_one_and_stops_every_rank(tiny_artifa
     model = tiny_artifacts["moe-multimodal-fused"]
     payload = {"model": str(model), "prompt": ["Question: 2 + 3 =", "Tom has 4 apples."], "max_tokens": 8,
                "temperature": 0}
-    ranks_before = spawned_processes()
-    answers = []
+    answers, ranks = [], set()
     for options in ((), ("--devices", "2")):
         with serve_process(model, "--dtype", "float32", *options) as url:
             status, body = post(url, payload)
             assert status == 200, body
             answers.append([choice["text"] for choice in body["choices"]])
+            ranks = spawned_descendants()
     assert answers[1] == answers[0] and all(answers[0])
-    assert spawned_processes() <= ranks_before  # stopping the server stopped its ranks
+    assert len(ranks) == 2, ranks  # the server's own ranks, whatever else runs on the machine
+    deadline = time.monotonic() + 60  # bounds a hang only
+    while {pid for pid in ranks if alive(pid)} and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert not {pid for pid in ranks if alive(pid)}  # stopping the server stopped its ranks
 
 
-def spawned_processes() -> set[int]:
-    """Live processes started by torch.multiprocessing's spawn (zombies count as gone)."""
-    found = set()
+def alive(pid: int) -> bool:
+    """Whether process `pid` runs (a zombie counts as gone)."""
+    try:
+        return ") Z " not in (Path("/proc") / str(pid) / "stat").read_text()
+    except OSError:
+        return False
+
+
+def spawned_descendants() -> set[int]:
+    """Live processes below this one started by torch.multiprocessing's spawn."""
+    parents, spawned = {}, set()
     for proc in Path("/proc").glob("[0-9]*"):
         try:
-            if b"spawn_main" in (proc / "cmdline").read_bytes() and ") Z " not in (proc / "stat").read_text():
-                found.add(int(proc.name))
-        except OSError:
+            status = (proc / "status").read_text()
+            parents[int(proc.name)] = int(status.split("PPid:")[1].split()[0])
+            if b"spawn_main" in (proc / "cmdline").read_bytes() and alive(int(proc.name)):
+                spawned.add(int(proc.name))
+        except (OSError, IndexError, ValueError):
             continue
-    return found
+
+    def below_this_process(pid: int) -> bool:
+        while pid > 1:
+            pid = parents.get(pid, 0)
+            if pid == os.getpid():
+                return True
+        return False
+
+    return {pid for pid in spawned if below_this_process(pid)}
