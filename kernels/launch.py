@@ -62,7 +62,8 @@ def launch_options(device: torch.device, num_warps: int, num_stages: int = 2, np
     """Backend-specific launch options, the only place they are chosen: num_warps / num_stages on a GPU (and
     with `dependent`, a programmatic dependent launch: see dependent_launch; with contract=False, no multiply and
     add fused into an fma by the compiler - each rounds on its own, tl.fma still fuses - for kernels whose bits
-    must not follow how the compiler treats each specialisation), the given triton-ascend options (e.g.
+    must not follow how the compiler treats each specialisation; stated either way, since Triton 3.10 turns
+    its default off), the given triton-ascend options (e.g.
     multibuffer) on an NPU, none for the interpreter."""
     if is_gpu(device):
         return ({"num_warps": num_warps, "num_stages": num_stages, "enable_fp_fusion": contract}
@@ -183,12 +184,9 @@ launch_observers: list = []
 
 def launch(kernel, grid: tuple[int, ...], *args, **kwargs) -> None:
     """kernel[grid](*args, **kwargs), through Triton's interpreter when the tensors are on the CPU."""
-    if not all([observe(kernel, args, kwargs) for observe in launch_observers]):
+    if launch_observers and not all([observe(kernel, args, kwargs) for observe in launch_observers]):
         return
     device = next(a.device for a in args if isinstance(a, torch.Tensor))
-    if is_gpu(device):  # Triton's default for contraction changes in 3.10: every GPU launch states its own
-        kernel[grid](*args, **({"enable_fp_fusion": True} | kwargs))
-        return
     if not is_cpu(device):
         kernel[grid](*args, **kwargs)
         return

@@ -675,6 +675,19 @@ def forward_logits(model: Qwen35, prompts: Sequence[Sequence[int]]) -> tuple[tor
     return model.logits(prefilled_hidden(model, prompts, hidden_states)), hidden_states
 
 
+@mirrored
+@torch.no_grad()
+def logits_in_chunks(model: Qwen35, sequence: list[int], start: int, chunk: int,
+                     reduce: Callable[[torch.Tensor, int], object]) -> list:
+    """reduce(logits [n, V], s) for each chunk of up to `chunk` positions s.. of `sequence` from `start` (>= 1),
+    the logits those of the positions before (s - 1..), after one prefill from empty caches: never the whole
+    sequence's [T, V] at once. On a split model every rank makes the call (its prefill and the logits' gathers
+    are collectives); reduce must pickle (a module-level function or a partial of one)."""
+    hidden = prefilled_hidden(model, [sequence])[0]  # [T, hidden]
+    return [reduce(model.logits(hidden[s - 1 : min(s + chunk, len(sequence)) - 1]), s)
+            for s in range(start, len(sequence), chunk)]
+
+
 def prefilled_hidden(model: Qwen35, prompts: Sequence[Sequence[int]],
                      hidden_states: list[torch.Tensor] | None = None) -> torch.Tensor:
     """The final-normed hidden [B, T, hidden] of one chunked prefill from empty caches (rows past a prompt's

@@ -64,7 +64,7 @@ def test_triton_compiles_for_a_gpu_after_an_interpreted_launch(tmp_path, monkeyp
 
 def test_gpu_launch_options_state_contraction_rather_than_inherit_triton_s_default() -> None:
     """Triton 3.10 turns fp fusion off by default; the batch-invariant kernels need it off and the others were
-    measured with it on, so every GPU launch says which (launch() adds it where a kernel passes no options)."""
+    measured with it on, so every GPU launch says which (every launcher takes its options from launch_options)."""
     from npuport.kernels.launch import launch_options
 
     cuda = torch.device("cuda")

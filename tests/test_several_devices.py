@@ -87,14 +87,23 @@ def test_serve_on_two_devices_answers_as_on_one_and_stops_every_rank(tiny_artifa
     model = tiny_artifacts["moe-multimodal-fused"]
     payload = {"model": str(model), "prompt": ["Question: 2 + 3 =", "Tom has 4 apples."], "max_tokens": 8,
                "temperature": 0}
-    answers, ranks = [], set()
+    answers, scores, ranks = [], [], set()
     for options in ((), ("--devices", "2")):
         with serve_process(model, "--dtype", "float32", *options) as url:
             status, body = post(url, payload)
             assert status == 200, body
             answers.append([choice["text"] for choice in body["choices"]])
+            # echo + logprobs: the prompt's prefill and the logits' gathers are collectives on two devices
+            status, scored = post(url, {**payload, "max_tokens": 2, "echo": True, "logprobs": 2})
+            assert status == 200, scored
+            scores.append([choice["logprobs"] for choice in scored["choices"]])
             ranks = spawned_descendants()
     assert answers[1] == answers[0] and all(answers[0])
+    for one, two in zip(*scores, strict=True):
+        assert one["tokens"] == two["tokens"]
+        for top_one, top_two in zip(one["top_logprobs"][1:], two["top_logprobs"][1:], strict=True):
+            assert top_one.keys() == top_two.keys()  # float32: the split rounds sums in another order
+            assert list(top_one.values()) == pytest.approx(list(top_two.values()), abs=1e-4)
     assert len(ranks) == 2, ranks  # the server's own ranks, whatever else runs on the machine
     deadline = time.monotonic() + 60  # bounds a hang only
     while {pid for pid in ranks if alive(pid)} and time.monotonic() < deadline:

@@ -10,13 +10,14 @@ full-vocabulary KL is measured wherever both models run in the built-in runtime 
 
 from __future__ import annotations
 
+import functools
 import math
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
 import torch
 
-from npuport.runtime.generate import prefilled_hidden
+from npuport.runtime.generate import logits_in_chunks
 from npuport.runtime.model import Qwen35
 
 LOGPROB_CHUNK = 256  # positions whose float32 log-softmax is held at once (x vocabulary)
@@ -41,7 +42,6 @@ def top_logprobs(logits: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tens
     return logprobs, values, ids
 
 
-@torch.no_grad()
 def sequence_logprobs(model: Qwen35, sequence: Sequence[int], top_k: int, start: int = 1) -> list[PositionLogprobs]:
     """Positions start..len(sequence) - 1 of `sequence` (token ids; start >= 1: the first token has no
     distribution before it), each from the model's logits at the position before, in one forward pass. The
@@ -49,17 +49,19 @@ def sequence_logprobs(model: Qwen35, sequence: Sequence[int], top_k: int, start:
     32k-token prompt at Qwen3.5's vocabulary."""
     if not 1 <= start <= len(sequence):
         raise ValueError(f"start {start} outside 1..{len(sequence)}")
-    hidden = prefilled_hidden(model, [list(sequence)])[0]  # [T, hidden]
-    out: list[PositionLogprobs] = []
-    for s in range(start, len(sequence), LOGPROB_CHUNK):
-        rows = range(s, min(s + LOGPROB_CHUNK, len(sequence)))
-        logprobs, values, ids = top_logprobs(model.logits(hidden[rows.start - 1 : rows.stop - 1]), top_k)
-        tokens = torch.tensor([sequence[i] for i in rows], device=logprobs.device)
-        chosen = logprobs.gather(1, tokens[:, None])[:, 0].tolist()
-        for j, i in enumerate(rows):
-            out.append(PositionLogprobs(sequence[i], chosen[j], tuple(zip(ids[j].tolist(), values[j].tolist(),
-                                                                          strict=True))))
-    return out
+    per_chunk = logits_in_chunks(model, list(sequence), start, LOGPROB_CHUNK,
+                                 functools.partial(_chunk_logprobs, list(sequence), top_k))
+    return [position for chunk in per_chunk for position in chunk]
+
+
+def _chunk_logprobs(sequence: list[int], top_k: int, logits: torch.Tensor, first: int) -> list[PositionLogprobs]:
+    """Positions first..first + n - 1 of `sequence` from logits [n, V] (each the position before's)."""
+    rows = range(first, first + logits.shape[0])
+    logprobs, values, ids = top_logprobs(logits, top_k)
+    tokens = torch.tensor([sequence[i] for i in rows], device=logprobs.device)
+    chosen = logprobs.gather(1, tokens[:, None])[:, 0].tolist()
+    return [PositionLogprobs(sequence[i], chosen[j], tuple(zip(ids[j].tolist(), values[j].tolist(), strict=True)))
+            for j, i in enumerate(rows)]
 
 
 def topk_kl_estimate(reference: Mapping[int, float], candidate: Mapping[int, float]) -> float:
