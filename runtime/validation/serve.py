@@ -138,10 +138,12 @@ class _Slot:
     def __init__(self, bound: threading.BoundedSemaphore) -> None:
         self._bound = bound
         self._held = True
+        self._lock = threading.Lock()  # its holders may be two threads: the accepting one and the connection's
 
     def release(self) -> None:
-        if self._held:
-            self._held = False
+        with self._lock:
+            held, self._held = self._held, False
+        if held:
             self._bound.release()
 
 
@@ -181,6 +183,7 @@ class CompletionsServer(ThreadingHTTPServer):
         self.log = log
         self.report = report
         self._pending = threading.BoundedSemaphore(limits.max_pending_connections)
+        self._slots: dict[socket.socket, _Slot] = {}  # a connection's pending slot, from accept to its thread
         self._serving = threading.BoundedSemaphore(limits.max_connections)
 
     def server_close(self) -> None:
@@ -197,16 +200,17 @@ class CompletionsServer(ThreadingHTTPServer):
         if not self._pending.acquire(blocking=False):
             self._refuse_busy(request, client_address)
             return
+        slot = self._slots[request] = _Slot(self._pending)
         try:
             super().process_request(request, client_address)
-        except BaseException:
-            self._pending.release()
+        except BaseException:  # e.g. a signal's exception after the thread started: the slot goes back once
+            slot.release()
             raise
 
     def process_request_thread(self, request: socket.socket, client_address: Any) -> None:
         """ThreadingMixIn's, handing the connection's pending slot to its handler, which gives it back once the
         request has arrived whole; else it goes back when the connection ends."""
-        pending = _Slot(self._pending)
+        pending = self._slots.pop(request)
         try:
             _Handler(request, client_address, self, pending)
         except Exception:
