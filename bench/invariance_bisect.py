@@ -25,20 +25,23 @@ from pathlib import Path
 
 import torch
 
+import npuport.runtime.mixers as mixers_module
 import npuport.runtime.model as model_module
 from npuport.convert.converter import convert_qwen35
 from npuport.fixtures.tiny_checkpoint import TinySpec, like_spec, make_tiny
-from npuport.runtime.generate import generate, pad_prompts, planned_rows, prefill
+from npuport.runtime.generate import generate
 from npuport.runtime.invariance import batch_invariant
 from npuport.runtime.loader import load_model
 from npuport.runtime.model import Qwen35
+from npuport.runtime.prefill import pad_prompts, prefill
+from npuport.runtime.run_options import RunOptions
 from npuport.runtime.state import GDNState, commit_accepted
 from npuport.runtime.validation.fidelity import greedy_token_agreement
 
 # The kernel functions runtime/model.py calls, each recorded under its name.
 RECORDED = ("project", "row_parallel", "add_rms_norm", "rms_norm", "rms_norm_rope", "write_kv", "decode_attention",
             "causal_conv1d_update", "fused_recurrent_gated_delta_rule", "gated_rms_norm", "route_top_k",
-            "routed_and_shared_experts", "fused_experts", "float_linear")
+            "fused_experts", "float_linear")
 LARGEST_RECORDED = 1 << 24  # elements: activations and logits are recorded, the weights passed along are not
 
 
@@ -61,16 +64,21 @@ def tensors_in(value) -> list[torch.Tensor]:
 
 @dataclass
 class Recorder:
-    """Wraps RECORDED in runtime/model.py's namespace; while `calls` is a list, each call is appended to it."""
+    """Wraps RECORDED in the namespaces of runtime/model.py and runtime/mixers.py (the layers call them there);
+    while `calls` is a list, each call is appended to it."""
 
     calls: list[Call] | None = None
-    originals: dict[str, Callable] = field(default_factory=dict)
+    originals: dict[tuple, Callable] = field(default_factory=dict)
 
     def install(self) -> None:
         for name in RECORDED:
-            fn = getattr(model_module, name)
-            self.originals[name] = fn
-            setattr(model_module, name, self.wrap(name, fn))
+            modules = [m for m in (model_module, mixers_module) if hasattr(m, name)]
+            if not modules:
+                raise SystemExit(f"invariance_bisect: no layer module calls {name} any more; update RECORDED")
+            for module in modules:
+                fn = getattr(module, name)
+                self.originals[module.__name__, name] = fn
+                setattr(module, name, self.wrap(name, fn))
 
     def wrap(self, name: str, fn: Callable) -> Callable:
         @functools.wraps(fn)
@@ -146,11 +154,11 @@ def bisect(model: Qwen35, recorder: Recorder, prompts: list[list[int]], k: int, 
     plain, spec = model.new_state(batch, capacity), model.new_state(batch, capacity, k)
     prefills = [prefill(model, state, tokens, lengths) for state in (plain, spec)]
     gen = torch.Generator().manual_seed(seed)
-    rows = planned_rows(batch) if invariant else None
+    rows = RunOptions(invariant=invariant).planned_rows(batch)
     result = {"batch": batch, "k": k, "prefill_equal": torch.equal(*prefills), "rounds": []}
 
     def step(state, tok):
-        hidden = model(tok, state)
+        hidden = model.step(tok, state)
         recorder.calls.append(Call("lm_head", [hidden.clone()], [model.logits(hidden)]))
 
     with batch_invariant(rows):
@@ -161,11 +169,11 @@ def bisect(model: Qwen35, recorder: Recorder, prompts: list[list[int]], k: int, 
             verify = recorder.record(lambda: step(spec, toks))  # noqa: B023 - called at once
             replayed = [torch.equal(p, s.recurrent) for p, s in
                         zip(plain_states, (x for x in spec.layers if isinstance(x, GDNState)), strict=True)]
-            commit_accepted(spec, torch.full((batch,), kept, device=device))
+            commit_accepted(spec, torch.full((batch,), kept, device=device), k + 1)
             decodes = []
             for j in range(kept):
                 decodes.append(recorder.record(lambda: step(plain, toks[:, j : j + 1])))  # noqa: B023
-                commit_accepted(plain, torch.ones(batch, dtype=torch.long, device=device))
+                commit_accepted(plain, torch.ones(batch, dtype=torch.long, device=device), 1)
             findings = compare_round(verify, decodes, k + 1)
             culprits = [f for f in findings if f["inputs_equal"] and not f["outputs_equal"]]
             first_diff = next((f for f in findings if not (f["inputs_equal"] and f["outputs_equal"])), None)

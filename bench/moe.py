@@ -12,7 +12,7 @@ layer must read take (router, the experts the routing touched, shared expert), w
 measured in the same run. Our layers are timed as CUDA graphs of many calls rotating over --layers layers
 with their own weights and inputs (more than the 60 MB L2 holds); contestants that cannot be captured run
 eagerly, timed with CUDA events (fastest of several rounds). The outputs of ours and of transformers on the
-same weights and inputs are compared (BF16: relative L2 error). --sweep times the mat-vec tiles of the routed
+same weights and inputs are compared (BF16: relative L2 error). --sweep times the matvec tiles of the routed
 experts. --e2e: whole models (`make-tiny --like` at --e2e-layers layers, converted to W8A8) through the public
 generate, decode ms/token per batch size with and without MTP k=1, prefill of 512 and 4096 tokens, and
 transformers `generate` on the same BF16 checkpoint; --profile adds GPU time per decode step by kernel and every
@@ -27,6 +27,7 @@ import copy
 import importlib.util
 import json
 import time
+from dataclasses import replace
 from pathlib import Path
 
 import torch
@@ -34,12 +35,13 @@ import torch
 from npuport.convert.quantize import quantize_per_channel_int8
 from npuport.devices import timed_graph
 from npuport.kernels.fused_moe import (
-    FewTokensConfig,
+    MatvecConfig,
     fused_experts_reference,
-    fused_experts_triton,
+    matvec_experts,
+    plan_experts_triton,
     route_top_k,
+    run_experts,
 )
-from npuport.kernels.fused_moe.fused_experts import few_tokens_experts
 from npuport.runtime.config import ModelConfig
 from npuport.runtime.model import Experts, MoE, stack_projections
 from npuport.runtime.parallel import Parallel
@@ -168,7 +170,7 @@ def breakdown(layers: list[MoE], xs: list[torch.Tensor], device: torch.device) -
     return {name: graph_us(fns, device) for name, fns in parts.items()}
 
 
-SWEEP = [FewTokensConfig(gu, dn, bk, w, s) for gu, dn, bk, w, s in [
+SWEEP = [MatvecConfig(gu, dn, bk, w, s) for gu, dn, bk, w, s in [
     (32, 16, 256, 4, 3), (16, 16, 256, 4, 3), (16, 8, 256, 4, 3), (32, 32, 256, 4, 3), (64, 16, 256, 4, 3),
     (16, 16, 512, 4, 3), (32, 16, 128, 4, 3), (16, 16, 256, 2, 3), (16, 16, 256, 8, 3), (32, 16, 512, 8, 2),
     (8, 8, 512, 4, 3), (16, 8, 512, 2, 4), (16, 4, 512, 4, 3), (8, 4, 512, 4, 3), (4, 4, 512, 4, 3),
@@ -176,7 +178,7 @@ SWEEP = [FewTokensConfig(gu, dn, bk, w, s) for gu, dn, bk, w, s in [
 
 
 def sweep(ours: dict[str, list[MoE]], device: torch.device, tokens: list[int]) -> list[dict]:
-    """The routed experts alone (BF16 and W8A8) at few tokens: each mat-vec tile config, and the grouped path."""
+    """The routed experts alone (BF16 and W8A8) at few tokens: each matvec tile config, and the grouped path."""
     rows = []
     for m in tokens:
         for label, layers in ours.items():
@@ -185,9 +187,11 @@ def sweep(ours: dict[str, list[MoE]], device: torch.device, tokens: list[int]) -
             stacked = [layer.experts.stacked() for layer in layers]
             row = {"tokens": m, "experts": label, "us": {}}
             for cfg in [*SWEEP, None]:
-                fns = [lambda x=x, s=s, r=r, c=cfg: fused_experts_triton(
-                    x, s, *r, few_pairs=0 if c is None else 10**9, few_config=c)
-                    for x, s, r in zip(xs, stacked, routes, strict=True)]
+                plans = [plan_experts_triton(x, s, r[1], matvec_max_pairs=0) if cfg is None else
+                         replace(plan_experts_triton(x, s, r[1], matvec_max_pairs=10**9), matvec=cfg)
+                         for x, s, r in zip(xs, stacked, routes, strict=True)]
+                fns = [lambda p=p, x=x, s=s, r=r: run_experts(p, x, s, *r)
+                       for p, x, s, r in zip(plans, xs, stacked, routes, strict=True)]
                 name = "grouped" if cfg is None else (
                     f"bn{cfg.gate_up_bn}/{cfg.down_bn} bk{cfg.bk} w{cfg.num_warps}s{cfg.num_stages}")
                 row["us"][name] = graph_us(fns, device)
@@ -200,7 +204,7 @@ def sweep(ours: dict[str, list[MoE]], device: torch.device, tokens: list[int]) -
         shared = [layer.shared_expert.as_expert() for layer in layers]
         ids, weight = torch.zeros(m, 1, dtype=torch.int64, device=device), torch.ones_like(xs[0][:, :1])
         for cfg in SWEEP:
-            fns = [lambda x=x, e=e, c=cfg, i=ids, w=weight: few_tokens_experts(x, None, e, i, w, x.dtype, c, add_to=x)
+            fns = [lambda x=x, e=e, c=cfg, i=ids, w=weight: matvec_experts(x, None, e, i, w, x.dtype, c, add_to=x)
                    for e, x in zip(shared, xs, strict=True)]
             row["us"][f"bn{cfg.gate_up_bn}/{cfg.down_bn} bk{cfg.bk} w{cfg.num_warps}s{cfg.num_stages}"] = graph_us(
                 fns, device)
@@ -370,7 +374,7 @@ def main() -> None:
     parser.add_argument("--e2e-layers", type=int, default=4)
     parser.add_argument("--e2e-like", default=None, help="The make-tiny --like model end to end (default: --like).")
     parser.add_argument("--batches", default="1,8,32")
-    parser.add_argument("--sweep", default="", help="Token counts at which to sweep the mat-vec tiles, e.g. 1,8,16")
+    parser.add_argument("--sweep", default="", help="Token counts at which to sweep the matvec tiles, e.g. 1,8,16")
     parser.add_argument("--new-tokens", type=int, default=48)
     parser.add_argument("--skip-layer", action="store_true", help="Only the end-to-end part.")
     parser.add_argument("--no-transformers", action="store_true", help="End to end without the transformers runs.")

@@ -20,9 +20,9 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 from npuport.fixtures.train_tiny import trained_tiny_path
-from npuport.runtime.validation.completions import RuntimeCompletions
+from npuport.runtime.serving.serve import make_server
+from npuport.runtime.text_completions import RuntimeCompletions
 from npuport.runtime.validation.gsm8k import make_protocol
-from npuport.runtime.validation.serve import make_server
 
 
 def post(url: str, body: dict) -> dict:

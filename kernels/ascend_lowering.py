@@ -116,6 +116,7 @@ def launched_as_on_npu() -> Iterator[None]:
     """Let the launchers of npuport.kernels take CPU tensors for an Ascend NPU's: is_npu true, is_gpu false, the
     Triton path taken - so that they pick the tiles, options and grids an NPU launch gets."""
     from npuport import devices
+    from npuport.kernels.implementations import without_native  # CANN's operators step down to these kernels
 
     answers = {id(devices.is_npu): lambda device: True, id(devices.is_gpu): lambda device: False,
                id(devices.runs_triton): lambda device: True}
@@ -127,7 +128,8 @@ def launched_as_on_npu() -> Iterator[None]:
                 replaced.append((module, attr, value))
                 setattr(module, attr, answers[id(value)])
     try:
-        yield
+        with without_native():
+            yield
     finally:
         for module, attr, value in replaced:
             setattr(module, attr, value)
@@ -259,20 +261,22 @@ def _route(launch: Launch, c: dict) -> Footprint:
     return Footprint(c["BE"] * launch.element_bytes("logits"), 3 * c["BE"] * 4)  # the row, its probabilities, masks
 
 
-def _matvec(launch: Launch, rows: int, k: int, weights: int, token: str, quantize: bool) -> Footprint:
-    """The mat-vec kernels: `weights` weight tiles [rows, k] (the widest of the routed and shared experts' dtype) and
-    their fp32 / int32 products, the token's row slice [k] (quantized here: its int32 values and the amax)."""
+def _matvec(launch: Launch, rows: int, k: int, weights: int, token: str) -> Footprint:
+    """The matvec kernels: `weights` weight tiles [rows, k] (the widest of the routed and shared experts' dtype) and
+    their fp32 / int32 products, the token's row slice [k] (a float row into int8 experts is quantized in the kernel:
+    its int32 values and the amax)."""
     w = max(launch.element_bytes("w"), launch.element_bytes("shared_w"))
     loaded = weights * rows * k * w + k * launch.element_bytes(token)
+    quantize = launch.element_bytes("w") == 1 and launch.element_bytes(token) > 1
     return Footprint(loaded, weights * rows * k * 4 + (2 * k * 4 if quantize else 0) + 2 * weights * rows * 4)
 
 
-def _pair_gate_up(launch: Launch, c: dict) -> Footprint:
-    return _matvec(launch, c["BN"], c["BK"], 2, "a", c["QUANTIZE"])
+def _matvec_gate_up(launch: Launch, c: dict) -> Footprint:
+    return _matvec(launch, c["BN"], c["BK"], 2, "a")
 
 
-def _token_down(launch: Launch, c: dict) -> Footprint:
-    return _matvec(launch, c["BN"], c["BK"], 1, "h", c["QUANTIZE"])
+def _matvec_down(launch: Launch, c: dict) -> Footprint:
+    return _matvec(launch, c["BN"], c["BK"], 1, "h")
 
 
 def _grouped_gemm(launch: Launch, c: dict) -> Footprint:
@@ -323,7 +327,8 @@ FOOTPRINTS = {
     "_rms_norm_rope_kernel": _rms_norm_rope, "_write_kv_kernel": _write_kv, "_conv_prefill_kernel": _conv_prefill,
     "_window_shift_kernel": _window_shift, "_conv_update_kernel": _conv_update, "_split_kernel": _split,
     "_combine_kernel": _combine, "_invariant_linear_kernel": _invariant_linear, "_route_kernel": _route,
-    "_pair_gate_up_kernel": _pair_gate_up, "_token_down_kernel": _token_down, "_grouped_gemm_kernel": _grouped_gemm,
+    "_matvec_gate_up_kernel": _matvec_gate_up, "_matvec_down_kernel": _matvec_down,
+    "_grouped_gemm_kernel": _grouped_gemm,
     "_chunk_prepare_kernel": _chunk_prepare, "_chunk_state_kernel": _chunk_state, "_recurrent_kernel": _recurrent,
     "_quantize_kernel": _quantize, "_w8a8_gemm_kernel": _w8a8_gemm, "_w8a8_split_sum_kernel": _split_sum,
 }

@@ -9,7 +9,9 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from npuport.kernels.implementations import NATIVE, TRITON, runnable
 from npuport.kernels.launch import jit, launch, launch_options, next_power_of_2, persistent_grid, tl, use_triton
+from npuport.kernels.npu import conv as native
 
 
 def causal_conv1d_fn(
@@ -18,7 +20,11 @@ def causal_conv1d_fn(
     """Prefill. x [B, T, D] new inputs (right-padded), weight [D, W], window [B, D, L] the inputs before x,
     n_valid [B] real tokens per row. Returns silu(conv) [B, T, D] (rows past n_valid are junk) and
     leaves in `window` the last L inputs up to each row's last real token."""
-    if use_triton(x, window):
+    chosen = runnable("causal_conv1d", x.device, lambda: native.causal_conv1d_refusal(x, weight, window),
+                      use_triton(x, window))
+    if chosen == NATIVE:
+        return native.causal_conv1d_fn_native(x, weight, window, n_valid)
+    if chosen == TRITON:
         return causal_conv1d_fn_triton(x, weight, window, n_valid)
     return causal_conv1d_fn_reference(x, weight, window, n_valid)
 
@@ -27,7 +33,11 @@ def causal_conv1d_update(x: torch.Tensor, weight: torch.Tensor, window: torch.Te
     """Decode / verify. x [B, T, D] new inputs, weight [D, W], window [B, D, L]. Returns silu(conv) [B, T, D];
     `window` keeps the last L inputs, the T new ones included (first in, first out). Committing n of the T
     (GDNState.commit) shifts the window back right by T - n."""
-    if use_triton(x, window):
+    chosen = runnable("causal_conv1d", x.device, lambda: native.causal_conv1d_refusal(x, weight, window),
+                      use_triton(x, window))
+    if chosen == NATIVE:
+        return native.causal_conv1d_update_native(x, weight, window)
+    if chosen == TRITON:
         return causal_conv1d_update_triton(x, weight, window)
     return causal_conv1d_update_reference(x, weight, window)
 

@@ -38,6 +38,7 @@ import math
 
 import torch
 
+from npuport.kernels.implementations import NATIVE, TRITON, runnable
 from npuport.kernels.launch import (
     is_npu,
     jit,
@@ -49,6 +50,7 @@ from npuport.kernels.launch import (
     unit_last_stride,
     use_triton,
 )
+from npuport.kernels.npu import attention as native
 
 # Keys per split: one program's share of the cache. 256 keeps the number of programs up at short contexts (one
 # request, 2 kv heads and 1k tokens still give 8 programs) and the workspace small at long ones (n_splits partial
@@ -75,8 +77,15 @@ def decode_attention(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, 
     as q; given, the result is attention * sigmoid(gate) as PyTorch computes it in q's dtype. Returns a contiguous
     [B, T, Hq, D] in q's dtype. plan_tokens: the query tile of a step of that many tokens, whatever T is
     (batch-invariant steps: a decode step's products then take a verify step's tensor-core instructions)."""
-    if use_triton(q, keys, values) and max(q.shape[1], plan_tokens or 0) <= MAX_TOKENS \
-            and q.shape[-1] <= MAX_HEAD_DIM:
+    triton = use_triton(q, keys, values) and max(q.shape[1], plan_tokens or 0) <= MAX_TOKENS \
+        and q.shape[-1] <= MAX_HEAD_DIM
+    # A batch-invariant step (plan_tokens) does not take the native operator: it tiles by the call's shape, and its
+    # documentation does not promise a row's bits independent of the other rows.
+    refusal = None if plan_tokens is not None else lambda: native.decode_attention_refusal(q, keys, values)
+    chosen = runnable("decode_attention", q.device, refusal, triton)
+    if chosen == NATIVE:
+        return native.decode_attention_native(q, keys, values, start, gate)
+    if chosen == TRITON:
         return decode_attention_triton(q, keys, values, start, gate, plan_tokens=plan_tokens)
     return decode_attention_reference(q, keys, values, start, gate)
 

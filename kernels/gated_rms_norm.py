@@ -13,6 +13,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from npuport.kernels.implementations import TRITON, runnable
 from npuport.kernels.launch import jit, launch, next_power_of_2, persistent_grid, tl, unit_last_stride, use_triton
 from npuport.kernels.rms_norm import SUM_LANES, exact_launch_options, inverse_rms, sum_of_squares
 
@@ -20,7 +21,8 @@ from npuport.kernels.rms_norm import SUM_LANES, exact_launch_options, inverse_rm
 def gated_rms_norm(x: torch.Tensor, gate: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     """x, gate [..., N] (gate may be a strided view, e.g. a slice of a stacked projection), weight [N] ->
     weight * rms_norm(x) * silu(gate), [..., N] in x's dtype."""
-    if use_triton(x, gate, weight) and x.shape == gate.shape and x.shape[-1] >= SUM_LANES:
+    triton = use_triton(x, gate, weight) and x.shape == gate.shape and x.shape[-1] >= SUM_LANES
+    if runnable("gated_rms_norm", x.device, None, triton) == TRITON:  # no native form: Triton on an NPU too
         return gated_rms_norm_triton(x, gate, weight, eps)
     return gated_rms_norm_reference(x, gate, weight, eps)
 

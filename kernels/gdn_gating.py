@@ -8,6 +8,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from npuport.kernels.implementations import TRITON, runnable
 from npuport.kernels.launch import jit, launch, launch_options, persistent_grid, tl, use_triton
 
 SOFTPLUS_THRESHOLD = 20.0
@@ -23,7 +24,7 @@ def fused_gdn_gating(
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """A_log, dt_bias [HV]; a, b [B, T, HV] (outputs of in_proj_a / in_proj_b) ->
     g = -exp(A_log) * softplus(a + dt_bias) and beta = sigmoid(b), both [B, T, HV] in fp32."""
-    if use_triton(a, b):
+    if runnable("gdn_gating", a.device, None, use_triton(a, b)) == TRITON:  # no native form: Triton on an NPU too
         return fused_gdn_gating_triton(A_log, a, dt_bias, b)
     return fused_gdn_gating_reference(A_log, a, dt_bias, b)
 

@@ -16,6 +16,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from npuport.kernels.implementations import TRITON, runnable
 from npuport.kernels.launch import jit, launch, launch_options, tl, unit_last_stride, use_triton
 
 # Output columns per program when the layer is wide enough to fill the GPU with them, else half as many.
@@ -25,7 +26,8 @@ BM = 16  # rows per program: a decode / verify step's rows usually fit one tile
 
 def invariant_linear(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
     """x [..., K], weight [N, K] (x's dtype) -> [..., N] in x's dtype, each row independent of the others."""
-    if use_triton(x, weight):
+    # No native form: a vendor GEMM's rows are what this kernel exists to replace (Triton on an NPU too).
+    if runnable("invariant_linear", x.device, None, use_triton(x, weight)) == TRITON:
         return invariant_linear_triton(x, weight)
     return invariant_linear_reference(x, weight)
 

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import torch
 
+from npuport.kernels.implementations import TRITON, runnable
 from npuport.kernels.launch import (
     jit,
     launch,
@@ -23,7 +24,8 @@ def write_kv(cache_k: torch.Tensor, cache_v: torch.Tensor, start: torch.Tensor, 
     """cache_k, cache_v [B, S, Hkv, D] (contiguous); k, v [B, T, Hkv, D] (any strides, the last 1); start [B]:
     writes token t of request b at position min(start[b] + t, S - 1), cast to the caches' dtype. A step's
     positions always lie inside the capacity; the clamp only keeps a stray one from writing out of bounds."""
-    if use_triton(cache_k, k) and cache_k.is_contiguous() and cache_v.is_contiguous():
+    triton = use_triton(cache_k, k) and cache_k.is_contiguous() and cache_v.is_contiguous()
+    if runnable("kv_write", k.device, None, triton) == TRITON:  # no native form: Triton on an NPU too
         write_kv_triton(cache_k, cache_v, start, k, v)
     else:
         write_kv_reference(cache_k, cache_v, start, k, v)

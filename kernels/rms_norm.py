@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import torch
 
+from npuport.kernels.implementations import NATIVE, TRITON, runnable
 from npuport.kernels.launch import (
     jit,
     launch,
@@ -21,11 +22,15 @@ from npuport.kernels.launch import (
     unit_last_stride,
     use_triton,
 )
+from npuport.kernels.npu import norms as native
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     """x [..., N], weight [N] (the zero-centred weight: the scale is 1 + w) -> [..., N] in x's dtype."""
-    if use_triton(x, weight):
+    chosen = runnable("rms_norm", x.device, lambda: native.rms_norm_refusal(x, weight), use_triton(x, weight))
+    if chosen == NATIVE:
+        return native.rms_norm_native(x, weight, eps)
+    if chosen == TRITON:
         return rms_norm_triton(x, weight, eps)
     return rms_norm_reference(x, weight, eps)
 
@@ -86,7 +91,11 @@ def add_rms_norm(
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """x, residual [..., N] of one dtype, weight [N] (zero-centred) -> (rms_norm(x + residual), x + residual),
     both [..., N] in x's dtype; the sum is rounded to that dtype before it is normalised (as PyTorch adds)."""
-    if use_triton(x, residual, weight) and x.dtype == residual.dtype and x.shape == residual.shape:
+    chosen = runnable("add_rms_norm", x.device, lambda: native.add_rms_norm_refusal(x, residual, weight),
+                      use_triton(x, residual, weight) and x.dtype == residual.dtype and x.shape == residual.shape)
+    if chosen == NATIVE:
+        return native.add_rms_norm_native(x, residual, weight, eps)
+    if chosen == TRITON:
         return add_rms_norm_triton(x, residual, weight, eps)
     return add_rms_norm_reference(x, residual, weight, eps)
 

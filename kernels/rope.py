@@ -6,13 +6,21 @@ from __future__ import annotations
 
 import torch
 
+from npuport.kernels.implementations import NATIVE, TRITON, runnable
 from npuport.kernels.launch import jit, launch, next_power_of_2, persistent_grid, tl, unit_last_stride, use_triton
+from npuport.kernels.npu import rope as native
 from npuport.kernels.rms_norm import SUM_LANES, exact_launch_options, inverse_rms, rms_norm_reference, sum_of_squares
 
 
 def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
     """Rotate-half RoPE on the first rotary_dim dims of x [B, T, heads, head_dim]; the rest pass through.
-    cos, sin [B, T, rotary_dim] in x's dtype."""
+    cos, sin [B, T, rotary_dim] in x's dtype. No Triton kernel of its own (the model's RoPE is rms_norm_rope's)."""
+    if runnable("rope", x.device, lambda: native.rope_refusal(x, cos, sin), False) == NATIVE:
+        return native.apply_rope_native(x, cos, sin)
+    return apply_rope_reference(x, cos, sin)
+
+
+def apply_rope_reference(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
     rot = cos.shape[-1]
     xr, rest = x[..., :rot], x[..., rot:]
     rotated = torch.cat([-xr[..., rot // 2 :], xr[..., : rot // 2]], dim=-1)
@@ -25,15 +33,19 @@ def rms_norm_rope(x: torch.Tensor, weight: torch.Tensor, eps: float, cos: torch.
     """x [B, T, heads, D] (any strides: e.g. the q half of a [B, T, heads, 2D] projection), weight [D] (the
     zero-centred weight of rms_norm), cos, sin [B, T, rot] in x's dtype (rot <= D, even) ->
     apply_rope(rms_norm(x, weight, eps), cos, sin), a contiguous [B, T, heads, D] in x's dtype."""
-    if (use_triton(x, weight, cos, sin) and x.dim() == 4 and cos.dtype == sin.dtype == x.dtype
-            and cos.shape == sin.shape == (*x.shape[:2], cos.shape[-1]) and x.shape[-1] >= SUM_LANES):
+    triton = (use_triton(x, weight, cos, sin) and x.dim() == 4 and cos.dtype == sin.dtype == x.dtype
+              and cos.shape == sin.shape == (*x.shape[:2], cos.shape[-1]) and x.shape[-1] >= SUM_LANES)
+    chosen = runnable("rms_norm_rope", x.device, lambda: native.rms_norm_rope_refusal(x, weight, cos, sin), triton)
+    if chosen == NATIVE:
+        return native.rms_norm_rope_native(x, weight, eps, cos, sin)
+    if chosen == TRITON:
         return rms_norm_rope_triton(x, weight, eps, cos, sin)
     return rms_norm_rope_reference(x, weight, eps, cos, sin)
 
 
 def rms_norm_rope_reference(x: torch.Tensor, weight: torch.Tensor, eps: float, cos: torch.Tensor,
                             sin: torch.Tensor) -> torch.Tensor:
-    return apply_rope(rms_norm_reference(x, weight, eps), cos, sin)
+    return apply_rope_reference(rms_norm_reference(x, weight, eps), cos, sin)
 
 
 # NPU budget: one head of D values (D = 256 for Qwen3.5): x twice (itself and its rotation partner), the two

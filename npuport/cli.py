@@ -13,6 +13,8 @@ import click
 
 from npuport import __version__
 from npuport.errors import NpuportError
+from npuport.runtime.dispatch import BF16_ENV, INT8_ENV
+from npuport.runtime.run_options import DISPATCH_CHOICES, MAX_DRAFTS
 
 
 class Stopped(KeyboardInterrupt):
@@ -87,6 +89,14 @@ invariant_option = click.option(
          "step), so that a verify step rounds as decode steps do and greedy MTP output is greedy output. Default: "
          "on with --mtp on one device, off otherwise; --no-batch-invariant for speed (bench/RESULTS.md has the "
          "cost).")
+mtp_option = click.option(
+    "--mtp", type=click.IntRange(0, MAX_DRAFTS), default=0, show_default=True,
+    help=f"MTP speculative decoding with K draft tokens per round, at most {MAX_DRAFTS} (0 = off).")
+dispatch_option = click.option(
+    "--dispatch", type=click.Choice(list(DISPATCH_CHOICES)), default=None,
+    help=f"How tokens travel to MoE experts: bf16, or int8 with per-token scales (W8A8 experts only), or auto "
+         f"(int8 into W8A8 experts, BF16 into BF16 experts). Default: {BF16_ENV}=1 in the environment gives bf16, "
+         f"{INT8_ENV}=1 int8, else auto. The MTP head always takes BF16.")
 dtype_option = click.option("--dtype", type=click.Choice(["bfloat16", "float16", "float32", "float64"]),
                             default="bfloat16", show_default=True)
 
@@ -256,8 +266,7 @@ def verify_release_cmd(release: Path) -> None:
 @click.option("--prompt", "texts", multiple=True, help="A text prompt (repeat for a batch).")
 @click.option("--prompt-ids", "id_prompts", multiple=True, help="A prompt as token ids, e.g. 1,2,3 (repeatable).")
 @click.option("--max-new-tokens", type=click.IntRange(min=1), default=64, show_default=True)
-@click.option("--mtp", type=click.IntRange(0, 4), default=0, show_default=True,
-              help="MTP speculative decoding with K draft tokens per round (0 = off).")
+@mtp_option
 @click.option("--temperature", type=click.FloatRange(min=0.0), default=0.0, show_default=True, help="0 = greedy.")
 @click.option("--top-p", type=click.FloatRange(0.0, 1.0, min_open=True), default=1.0, show_default=True)
 @click.option("--seed", type=int, default=0, show_default=True)
@@ -265,10 +274,11 @@ def verify_release_cmd(release: Path) -> None:
 @devices_option
 @dtype_option
 @invariant_option
+@dispatch_option
 @click.option("--json", "as_json", is_flag=True, help="Print token ids, text and acceptance statistics as JSON.")
 def generate_cmd(model: Path, texts: tuple[str, ...], id_prompts: tuple[str, ...], max_new_tokens: int, mtp: int,
                  temperature: float, top_p: float, seed: int, device: str | None, devices: int, dtype: str,
-                 batch_invariant: bool | None, as_json: bool) -> None:
+                 batch_invariant: bool | None, dispatch: str | None, as_json: bool) -> None:
     """Generate from MODEL (a BF16 source or a W8A8 artifact) with the built-in runtime."""
     import json
 
@@ -278,7 +288,8 @@ def generate_cmd(model: Path, texts: tuple[str, ...], id_prompts: tuple[str, ...
 
     check_split(model, devices)
     report = on_devices(run_generate, (model, texts, id_prompts, max_new_tokens, mtp,
-                                       SamplingParams(temperature, top_p, seed), device, dtype, batch_invariant),
+                                       SamplingParams(temperature, top_p, seed), device, dtype, batch_invariant,
+                                       dispatch),
                         devices, device)
     if report is None:  # a torchrun rank other than 0: rank 0 prints
         return
@@ -303,9 +314,9 @@ from npuport.runtime.validation.gsm8k import DEFAULT_PROTOCOL, LM_EVAL_SEED, MAX
               help="Per question; also per request in the throughput runs.")
 @click.option("--batch-size", type=click.IntRange(min=1), default=16, show_default=True,
               help="Questions per generate call on the built-in runtime; the throughput runs use one such batch.")
-@click.option("--mtp", type=click.IntRange(0, 4), default=0, show_default=True,
-              help="MTP speculative decoding with K drafts per round on the built-in runtime (0 = off); with K > 0 "
-                   "throughput is timed with and without it.")
+@click.option("--mtp", type=click.IntRange(0, MAX_DRAFTS), default=0, show_default=True,
+              help=f"MTP speculative decoding with K drafts per round on the built-in runtime, at most {MAX_DRAFTS} "
+                   "(0 = off); with K > 0 throughput is timed with and without it.")
 @click.option("--seed", type=int, default=LM_EVAL_SEED, show_default=True,
               help="lm-eval's shot sampling and the paired bootstrap.")
 @click.option("--reference", type=click.Path(path_type=Path, exists=True, file_okay=False),
@@ -334,6 +345,7 @@ from npuport.runtime.validation.gsm8k import DEFAULT_PROTOCOL, LM_EVAL_SEED, MAX
 @devices_option
 @dtype_option
 @invariant_option
+@dispatch_option
 @click.option("--fidelity-questions", type=click.IntRange(min=1), default=None,
               help="Fidelity on the first N questions only (default: all of them).")
 @click.option("--throughput/--no-throughput", default=True, show_default=True,
@@ -353,7 +365,7 @@ def validate_cmd(artifact: Path, gsm8k: bool, protocol: str, data: Path | None, 
                  endpoint: str | None, endpoint_model: str | None, reference_endpoint: str | None,
                  reference_endpoint_model: str | None, fidelity_top_k: int, parallel: int, timeout_s: float,
                  retries: int,
-                 device: str | None, devices: int, dtype: str, batch_invariant: bool | None,
+                 device: str | None, devices: int, dtype: str, batch_invariant: bool | None, dispatch: str | None,
                  fidelity_questions: int | None, throughput: bool,
                  max_accuracy_drop: float, min_acceptance: float | None, chat_template_kwargs: str | None,
                  out: Path | None) -> None:
@@ -375,11 +387,16 @@ def validate_cmd(artifact: Path, gsm8k: bool, protocol: str, data: Path | None, 
                               reference, endpoint, endpoint_model, parallel, timeout_s, retries, device, dtype,
                               fidelity_questions, throughput, max_accuracy_drop, min_acceptance, template_kwargs,
                               batch_invariant, reference_endpoint=reference_endpoint,
-                              reference_endpoint_model=reference_endpoint_model, fidelity_top_k=fidelity_top_k)
+                              reference_endpoint_model=reference_endpoint_model, fidelity_top_k=fidelity_top_k,
+                              dispatch=dispatch)
     if devices > 1 and endpoint:
         raise NpuportError("--devices splits the built-in runtime's model; with --endpoint the server runs it")
     for model in (artifact, reference) if reference is not None else (artifact,):
         check_split(model, devices)
+    if devices == 1 and (not endpoint or reference is not None):  # the built-in runtime runs here: check it first
+        from npuport.runtime.selftest.run import quiet_selftest
+
+        quiet_selftest(device)
     outcome = on_devices(run_validation, (options, out or Path(f"validation-{artifact.resolve().name}"),
                                           echo_to_stderr), devices, device)
     if outcome is None:  # a torchrun rank other than 0: rank 0 reports
@@ -401,8 +418,7 @@ def validate_cmd(artifact: Path, gsm8k: bool, protocol: str, data: Path | None, 
               help="Loopback by default (::1 for IPv6); 0.0.0.0 or :: serves every network the machine is on (a "
                    "warning says so; see --api-key).")
 @click.option("--served-model-name", default=None, help="The name clients send as `model` (default: MODEL as given).")
-@click.option("--mtp", type=click.IntRange(0, 4), default=0, show_default=True,
-              help="MTP speculative decoding with K draft tokens per round (0 = off).")
+@mtp_option
 @click.option("--max-batch-size", type=click.IntRange(min=1), default=16, show_default=True,
               help="Rows (prompts x n) generated together: requests in flight share a batch up to this many.")
 @click.option("--max-tokens-limit", type=click.IntRange(min=1), default=4096, show_default=True,
@@ -428,30 +444,55 @@ def validate_cmd(artifact: Path, gsm8k: bool, protocol: str, data: Path | None, 
 @device_option
 @devices_option
 @dtype_option
+@dispatch_option
 @click.option("--quiet", is_flag=True, help="Do not log each request.")
 def serve_cmd(model: Path, port: int, host: str, served_model_name: str | None, mtp: int, max_batch_size: int,
               max_tokens_limit: int, max_prompt_tokens: int, header_timeout_s: float, request_timeout_s: float,
               max_connections: int, max_pending_connections: int, allow_client_chat_template: bool,
-              api_key: str | None, device: str | None, devices: int, dtype: str, quiet: bool) -> None:
+              api_key: str | None, device: str | None, devices: int, dtype: str, dispatch: str | None,
+              quiet: bool) -> None:
     """Serve MODEL (a W8A8 artifact or BF16 source) on the built-in runtime as an OpenAI-compatible endpoint:
     POST /v1/completions and /v1/chat/completions (logprobs, echo, n, stream; prompts as text or token ids; chat
     through the model's own template), GET /v1/models and /health. Requests in flight are batched together: one
     that arrives while a batch runs joins the next one."""
     import functools
 
+    from npuport.runtime.serving.limits import ServeLimits
+    from npuport.runtime.serving.serve import serve_model
     from npuport.runtime.several_devices import check_split, on_devices
-    from npuport.runtime.validation.serve import ServeLimits, serve_model
 
     check_split(model, devices)
+    if devices == 1:
+        from npuport.runtime.selftest.run import quiet_selftest
+
+        quiet_selftest(device)
     limits = ServeLimits(max_tokens=max_tokens_limit, request_timeout_s=request_timeout_s,
                          max_connections=max_connections, max_prompt_tokens=max_prompt_tokens,
                          header_timeout_s=header_timeout_s, max_pending_connections=max_pending_connections,
                          allow_client_chat_template=allow_client_chat_template)
     serve = functools.partial(
         serve_model, model, host=host, port=port, served_model=served_model_name, device=device, dtype=dtype,
-        mtp=mtp, max_batch_size=max_batch_size, limits=limits, api_key=api_key, announce=click.echo,
+        mtp=mtp, dispatch=dispatch, max_batch_size=max_batch_size, limits=limits, api_key=api_key, announce=click.echo,
         log=None if quiet else echo_to_stderr, warn=echo_to_stderr)
     on_devices(serve, (), devices, device)
+
+
+@main.command("selftest")
+@device_option
+@click.option("--quick", is_flag=True, help="Fewer shapes and tokens (what validate and serve run first).")
+@click.option("--out", type=click.Path(path_type=Path, dir_okay=False), default=Path("selftest.json"),
+              show_default=True, help="Where to write the result as JSON.")
+def selftest_cmd(device: str | None, quick: bool, out: Path) -> None:
+    """Check every kernel (and on an NPU every torch_npu operator) against its PyTorch reference on this machine's
+    device, timed, and a tiny model's greedy tokens with and without graphs and with MTP. A kernel that fails or
+    disagrees is switched to its reference for the rest of the run, with a warning naming it. Writes OUT - attach
+    it to a bug report. Exits 1 when a check failed."""
+    from npuport.runtime.selftest.run import selftest_command, summary
+
+    result = selftest_command(device, out, quick, echo_to_stderr)
+    click.echo(f"{summary(result)}; wrote {out}")
+    if not result.passed:
+        sys.exit(1)
 
 
 @main.command("train-tiny")

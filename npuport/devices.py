@@ -2,9 +2,11 @@
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import importlib
 import weakref
+from types import ModuleType
 
 import torch
 
@@ -147,19 +149,48 @@ def distributed_backend(device: torch.device) -> str:
     return {"cuda": "nccl", "npu": "hccl"}.get(device.type, "gloo")
 
 
+def _graph_runtime(device: torch.device):
+    """The torch module that captures `device`'s graphs and owns its streams and events: torch.cuda, or torch.npu
+    (registered by torch-npu, whose NPUGraph / graph / graph_pool_handle mirror CUDA's)."""
+    return torch.npu if is_npu(device) else torch.cuda
+
+
+# The distribution that brings Ascend NPUs to torch (its import name is torch_npu).
+NATIVE_PACKAGE = "torch-npu"
+
+
+def cann_version() -> str | None:
+    """The CANN toolkit's version as torch-npu reports it, where it can (None where it does not import)."""
+    try:
+        module = native_operators()
+    except Exception:  # noqa: BLE001 - a torch-npu that does not import (no CANN) has no version to give
+        return None
+    for ask in (lambda: module.utils.get_cann_version(), lambda: module.version.cann):
+        with contextlib.suppress(Exception):
+            if version := ask():
+                return str(version)
+    return None
+
+
+def native_operators() -> ModuleType:
+    """torch-npu's module, whose npu_* functions are CANN's own operators: what kernels/npu/ calls on an Ascend NPU."""
+    return importlib.import_module("torch_npu")
+
+
 def capturing_graph(device: torch.device) -> bool:
     """Whether work queued now on `device` is being captured into a graph rather than run."""
-    return is_gpu(device) and torch.cuda.is_current_stream_capturing()
+    return graphs_supported(device) and _graph_runtime(device).is_current_stream_capturing()
 
 
 def graphs_supported(device: torch.device) -> bool:
-    """Whether decode / verify steps can be captured and replayed as graphs here (CUDA graphs)."""
-    return is_gpu(device)
+    """Whether decode / verify steps can be captured and replayed as graphs here: CUDA graphs on an NVIDIA GPU,
+    torch-npu's NPU graphs (aclmdlRI capture) on an Ascend NPU."""
+    return is_gpu(device) or is_npu(device)
 
 
 class DeviceGraph:
-    """A step of device work captured once and replayed as one launch (a CUDA graph). Capture runs `fn`
-    without executing it; the caller warms `fn` up first (kernel compilation, workspaces), on scratch state."""
+    """A step of device work captured once and replayed as one launch (a CUDA graph, or an NPU graph). Capture runs
+    `fn` without executing it; the caller warms `fn` up first (kernel compilation, workspaces), on scratch state."""
 
     _live: weakref.WeakSet[DeviceGraph] = weakref.WeakSet()  # every graph of this process not yet collected
 
@@ -169,7 +200,8 @@ class DeviceGraph:
         if not graphs_supported(device):
             raise NpuportError(f"graph capture is not available on {device}")
         self.device, self.pool = device, pool
-        self.graph = torch.cuda.CUDAGraph()
+        self.runtime = _graph_runtime(device)
+        self.graph = self.runtime.NPUGraph() if is_npu(device) else self.runtime.CUDAGraph()
         DeviceGraph._live.add(self)
 
     @classmethod
@@ -182,26 +214,29 @@ class DeviceGraph:
 
     def warm_up(self, fn):
         """Run fn() eagerly on a side stream, as capture wants; returns its result."""
-        stream = torch.cuda.Stream(self.device)
-        stream.wait_stream(torch.cuda.current_stream(self.device))
-        with torch.cuda.stream(stream):
+        runtime = self.runtime
+        stream = runtime.Stream(self.device)
+        stream.wait_stream(runtime.current_stream(self.device))
+        with runtime.stream(stream):
             out = fn()
-        torch.cuda.current_stream(self.device).wait_stream(stream)
+        runtime.current_stream(self.device).wait_stream(stream)
         return out
 
     def capture(self, fn):
         """Record fn(); returns its outputs, which every replay overwrites in place. With a process group up, the
-        capture only forbids this thread's unsafe calls: the NCCL watchdog thread queries its events meanwhile."""
+        capture only forbids this thread's unsafe calls: the NCCL (HCCL) watchdog thread queries its events
+        meanwhile."""
         grouped = torch.distributed.is_available() and torch.distributed.is_initialized()
-        with torch.cuda.graph(self.graph, pool=self.pool,
-                              capture_error_mode="thread_local" if grouped else "global"):
+        with self.runtime.graph(self.graph, pool=self.pool,
+                                capture_error_mode="thread_local" if grouped else "global"):
             return fn()
 
     @staticmethod
     def new_pool(device: torch.device):
         """A memory pool that several graphs on `device` can share (see __init__)."""
-        with torch.cuda.device(device):
-            return torch.cuda.graph_pool_handle()
+        runtime = _graph_runtime(device)
+        with runtime.device(device):
+            return runtime.graph_pool_handle()
 
     def replay(self) -> None:
         self.graph.replay()
@@ -221,7 +256,7 @@ def timed_graph(fn, device: torch.device, calls: int):
     graph.replay()
 
     def replay_ms() -> float:
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start, end = graph.runtime.Event(enable_timing=True), graph.runtime.Event(enable_timing=True)
         start.record()
         graph.replay()
         end.record()

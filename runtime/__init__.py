@@ -1,4 +1,5 @@
 """The Qwen3.5 engine: config, weights loading, model, caches and GDN state, MTP speculative decoding, and its
 several-device mode (parallel.py: which part a rank holds; expert_parallel.py: the MoE dispatch; ranks.py: one
-process per device; lockstep.py: rank 0 drives, the others follow); its judge lives in runtime.validation.
-Imports kernels, convert (to read checkpoints) and the shared helpers."""
+process per device; lockstep.py: rank 0 drives, the others follow), and text in, text out (text_completions.py;
+completion.py: a completion, whoever made it); its judge lives in runtime.validation, its server in
+runtime.serving. Imports kernels, convert (to read checkpoints) and the shared helpers; never those two."""

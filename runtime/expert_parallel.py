@@ -159,7 +159,7 @@ def expert_parallel_experts(x: torch.Tensor, weights: torch.Tensor, expert_ids: 
     tokens_in = payload_of(arrived)
     if int8:
         quantized = (tokens_in[:, :hidden].contiguous(), tokens_in[:, hidden:].contiguous().view(torch.float32))
-        share = fused_experts(x.new_empty(len(arrived), hidden), local, route_weights, ids, quantized)
+        share = fused_experts(x.new_empty(len(arrived), hidden), local, route_weights, ids, x_int8=quantized)
     else:
         share = fused_experts(tokens_in, local, route_weights, ids)
     back = _exchange(list(share.split(n_in)), [x.new_empty(len(rows), hidden) for rows, _ in sends], group)

@@ -1,16 +1,15 @@
 """The Qwen3.5 text model - gated full attention, GatedDeltaNet, dense MLP or MoE with a shared expert -
 and its MTP head, as plain nn.Modules whose parameter names follow the checkpoint (QWEN35.md).
 
-Activations are [B, T, hidden]. Per-request caches live in a ModelState (state.py) that every forward
-takes; a forward with `n_valid` is a prefill (committed by the layers themselves), one without is a
-decode / verify step that stays staged until `commit_accepted`.
+Activations are [B, T, hidden]. Per-request caches live in a ModelState (state.py) that every forward takes.
+The model has two entry points: `prefill(tokens, state, n_valid)` over prompt chunks, and `step(tokens, state)`,
+a decode / verify step of T <= spec_tokens + 1 tokens; `commit_accepted` keeps what each request accepts of
+either. The layers (norms, attention, GatedDeltaNet) live in mixers.py.
 """
 
 from __future__ import annotations
 
-import contextlib
 from collections.abc import Iterable
-from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
@@ -18,208 +17,15 @@ from torch import nn
 
 from npuport.devices import graphs_supported
 from npuport.errors import NpuportError
-from npuport.kernels.causal_conv1d import causal_conv1d_fn, causal_conv1d_update
-from npuport.kernels.decode_attention import decode_attention
-from npuport.kernels.fused_moe import StackedExperts, fused_experts, route_top_k, routed_and_shared_experts
-from npuport.kernels.gated_delta_rule import chunk_gated_delta_rule, fused_recurrent_gated_delta_rule
-from npuport.kernels.gated_rms_norm import gated_rms_norm
-from npuport.kernels.gdn_gating import fused_gdn_gating
-from npuport.kernels.kv_write import write_kv
-from npuport.kernels.rms_norm import add_rms_norm, rms_norm
-from npuport.kernels.rope import rms_norm_rope
+from npuport.kernels.fused_moe import StackedExperts, fused_experts, route_top_k
 from npuport.runtime.config import FULL_ATTENTION, ModelConfig
 from npuport.runtime.dispatch import dispatch, int8_dispatch
 from npuport.runtime.expert_parallel import ExpertShard, expert_parallel_experts, traffic_record
 from npuport.runtime.invariance import batch_invariant, current_invariance
-from npuport.runtime.linear import (
-    Linear,
-    QuantizedActivation,
-    StackedLinear,
-    W8A8Linear,
-    float_linear,
-    project,
-    stack_linears,
-)
+from npuport.runtime.linear import Linear, QuantizedActivation, StackedLinear, float_linear, project, stack_linears
+from npuport.runtime.mixers import Attention, GatedDeltaNet, RMSNorm, Step, rope_tables
 from npuport.runtime.parallel import Parallel, local_config, row_parallel
 from npuport.runtime.state import GDNState, KVCache, ModelState, new_mtp_state, new_target_state
-
-
-@dataclass
-class Step:
-    """What every layer needs to know about the T tokens of one forward."""
-
-    start: torch.Tensor  # [B] position of each request's first token
-    cos: torch.Tensor  # [B, T, rotary_dim]
-    sin: torch.Tensor
-    n_valid: torch.Tensor | None  # [B] real tokens per request in a prefill; None for decode / verify
-    # Attend over whole KV caches, masked, rather than up to the furthest position written, and start a prefill's
-    # GDN layers from a replay of every log slot: no host sync and fixed shapes, so that a decode / verify step,
-    # or a prefill asked for it (Qwen35.forward's static_shapes), can be captured as a CUDA graph.
-    static_shapes: bool = False
-
-
-def rope_tables(positions: torch.Tensor, config: ModelConfig, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
-    """positions [B, T] -> cos, sin [B, T, rotary_dim] (text positions: Qwen3.5's M-RoPE is plain 1-D RoPE)."""
-    rot = config.rotary_dim
-    exponents = torch.arange(0, rot, 2, dtype=torch.float32, device=positions.device) / rot
-    inv_freq = 1.0 / (config.rope_theta**exponents)
-    freqs = positions[..., None].float() * inv_freq
-    angles = torch.cat([freqs, freqs], dim=-1)
-    return angles.cos().to(dtype), angles.sin().to(dtype)
-
-
-def planned_tokens(batch: int) -> int | None:
-    """Inside batch_invariant(): the tokens per request that a decode / verify step's attention and GDN kernels
-    plan for, so that every step launches as the largest verify step; else None (each step its own size)."""
-    invariance = current_invariance()
-    return None if invariance is None else invariance.tokens_per_request(batch)
-
-
-class RMSNorm(nn.Module):
-    """y = x * rsqrt(mean(x^2) + eps) * (1 + w), in fp32 (the weight starts at zero)."""
-
-    def __init__(self, dim: int, eps: float) -> None:
-        super().__init__()
-        self.eps = eps
-        self.weight = nn.Parameter(torch.zeros(dim), requires_grad=False)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return rms_norm(x, self.weight, self.eps)
-
-    def add(self, x: torch.Tensor, residual: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
-        """(norm(x + residual), x + residual) in one launch; (norm(x), x) when residual is None."""
-        if residual is None:
-            return self(x), x
-        return add_rms_norm(x, residual, self.weight, self.eps)
-
-
-class GatedRMSNorm(nn.Module):
-    """The GDN output norm: w * rmsnorm(o) * silu(z), with a plain weight w (not 1 + w)."""
-
-    def __init__(self, dim: int, eps: float) -> None:
-        super().__init__()
-        self.eps = eps
-        self.weight = nn.Parameter(torch.ones(dim), requires_grad=False)
-
-    def forward(self, x: torch.Tensor, gate: torch.Tensor) -> torch.Tensor:
-        return gated_rms_norm(x, gate, self.weight, self.eps)
-
-
-def attend(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, start: torch.Tensor) -> torch.Tensor:
-    """Causal GQA softmax attention. q [B, T, Hq, D] at positions start[b] + t; keys, values [B, S, Hkv, D]
-    (position s at index s; query head h reads kv head h // (Hq / Hkv)). Query t sees keys at positions
-    <= its own. Returns [B, T, Hq, D]."""
-    t, s = q.shape[1], keys.shape[1]
-    group = q.shape[2] // keys.shape[2]
-    keys, values = (x.repeat_interleave(group, dim=2) if group > 1 else x for x in (keys, values))
-    q_pos = start[:, None] + torch.arange(t, device=q.device)
-    visible = torch.arange(s, device=q.device)[None, None, :] <= q_pos[:, :, None]  # [B, T, S]
-    out = F.scaled_dot_product_attention(q.transpose(1, 2), keys.transpose(1, 2), values.transpose(1, 2),
-                                         attn_mask=visible[:, None], scale=q.shape[-1] ** -0.5)
-    return out.transpose(1, 2)
-
-
-class Attention(nn.Module):
-    """Gated full attention: q_proj gives [q | gate] per head, q/k RMSNorm per head, partial RoPE,
-    o_proj(attention * sigmoid(gate)). config: this rank's sizes (parallel.local_config); o_proj row-parallel."""
-
-    def __init__(self, config: ModelConfig, parallel: Parallel) -> None:
-        super().__init__()
-        h, d = config.hidden_size, config.head_dim
-        self.parallel = parallel
-        self.n_heads, self.n_kv_heads, self.head_dim = config.num_attention_heads, config.num_key_value_heads, d
-        self.q_proj = Linear(h, 2 * self.n_heads * d)
-        self.k_proj = Linear(h, self.n_kv_heads * d)
-        self.v_proj = Linear(h, self.n_kv_heads * d)
-        self.o_proj = Linear(self.n_heads * d, h)
-        self.q_norm = RMSNorm(d, config.rms_norm_eps)
-        self.k_norm = RMSNorm(d, config.rms_norm_eps)
-        self.qkv: StackedLinear | None = None  # q_proj, k_proj, v_proj as one GEMM once stack_projections ran
-
-    def stack_projections(self) -> None:
-        self.qkv = stack_linears([self.q_proj, self.k_proj, self.v_proj])
-
-    def forward(self, x: torch.Tensor, cache: KVCache, step: Step) -> torch.Tensor:
-        b, t, _ = x.shape
-        q_gate, k, v = project(self.qkv, (self.q_proj, self.k_proj, self.v_proj), x)
-        q, gate = q_gate.view(b, t, self.n_heads, 2 * self.head_dim).chunk(2, dim=-1)
-        q = rms_norm_rope(q, self.q_norm.weight, self.q_norm.eps, step.cos, step.sin)
-        k = rms_norm_rope(k.view(b, t, self.n_kv_heads, self.head_dim), self.k_norm.weight, self.k_norm.eps,
-                          step.cos, step.sin)
-        v = v.view(b, t, self.n_kv_heads, self.head_dim)
-        if step.static_shapes:  # without a host sync: the whole caches
-            write_kv(cache.k, cache.v, step.start, k, v)
-            if step.n_valid is None:  # a decode / verify step: flash-decoding, the gate fused
-                out = decode_attention(q, cache.k, cache.v, step.start, gate, planned_tokens(b)).reshape(b, t, -1)
-                return row_parallel(self.o_proj, out, self.parallel)
-            keys, values = cache.k, cache.v
-        else:
-            keys, values = cache.update(step.start, k, v)
-        out = attend(q, keys, values, step.start).reshape(b, t, -1)
-        return row_parallel(self.o_proj, out * torch.sigmoid(gate.reshape(b, t, -1)), self.parallel)
-
-
-class GatedDeltaNet(nn.Module):
-    """Linear attention: in_proj_qkv -> causal conv1d + SiLU -> q, k, v; gating from in_proj_a / in_proj_b;
-    the gated delta rule over an fp32 state; gated RMSNorm with in_proj_z; out_proj. config: this rank's sizes
-    (its key and value heads); out_proj row-parallel."""
-
-    def __init__(self, config: ModelConfig, parallel: Parallel) -> None:
-        super().__init__()
-        h = config.hidden_size
-        self.parallel = parallel
-        self.n_k_heads, self.n_v_heads = config.linear_num_key_heads, config.linear_num_value_heads
-        self.k_dim, self.v_dim = config.linear_key_head_dim, config.linear_value_head_dim
-        conv_dim = config.conv_dim
-        self.in_proj_qkv = Linear(h, conv_dim)
-        self.in_proj_z = Linear(h, self.n_v_heads * self.v_dim)
-        self.in_proj_b = Linear(h, self.n_v_heads)
-        self.in_proj_a = Linear(h, self.n_v_heads)
-        # Holds the depthwise kernel as the checkpoint names it, conv1d.weight [conv_dim, 1, W].
-        self.conv1d = nn.Conv1d(conv_dim, conv_dim, config.linear_conv_kernel_dim, groups=conv_dim, bias=False)
-        self.conv1d.weight.requires_grad_(False)
-        self.A_log = nn.Parameter(torch.zeros(self.n_v_heads), requires_grad=False)
-        self.dt_bias = nn.Parameter(torch.ones(self.n_v_heads), requires_grad=False)
-        self.norm = GatedRMSNorm(self.v_dim, config.rms_norm_eps)
-        self.out_proj = Linear(self.n_v_heads * self.v_dim, h)
-        self.in_proj: StackedLinear | None = None  # the four input projections as one GEMM once stacked
-
-    def input_projections(self) -> tuple[Linear | W8A8Linear, ...]:
-        return self.in_proj_qkv, self.in_proj_z, self.in_proj_b, self.in_proj_a
-
-    def stack_projections(self) -> None:
-        self.in_proj = stack_linears(self.input_projections())
-
-    def forward(self, x: torch.Tensor, state: GDNState, step: Step) -> torch.Tensor:
-        b, t, _ = x.shape
-        # b_logits and a sit side by side in one stacked output: the recurrent kernel reads both with one stride
-        mixed, z, b_logits, a = project(self.in_proj, self.input_projections(), x)
-        weight = self.conv1d.weight[:, 0]  # [conv_dim, W]
-        if step.n_valid is None:
-            if t > state.slots:
-                raise ValueError(f"a verify step of {t} tokens needs {t} GDN state slots, the state has {state.slots}")
-            mixed = causal_conv1d_update(mixed, weight, state.conv)
-        else:
-            mixed = causal_conv1d_fn(mixed, weight, state.conv, step.n_valid)
-        key_width = self.n_k_heads * self.k_dim
-        q, k, v = mixed.split([key_width, key_width, self.n_v_heads * self.v_dim], dim=-1)
-        q, k = q.reshape(b, t, self.n_k_heads, self.k_dim), k.reshape(b, t, self.n_k_heads, self.k_dim)
-        v = v.reshape(b, t, self.n_v_heads, self.v_dim)
-        if step.n_valid is None:
-            # The gating is fused into the recurrent kernel: a and b go in raw.
-            out = fused_recurrent_gated_delta_rule(q, k, v, a, b_logits, state.recurrent, state.log,
-                                                   A_log=self.A_log, dt_bias=self.dt_bias,
-                                                   plan_tokens=planned_tokens(b))
-            state.staged = t
-        else:
-            g, beta = fused_gdn_gating(self.A_log, a, self.dt_bias, b_logits)
-            # Padding tokens get g = 0 and beta = 0: they leave the state as the last real token left it.
-            real = (torch.arange(t, device=x.device)[None, :] < step.n_valid[:, None])[..., None]
-            g, beta = torch.where(real, g, 0.0), torch.where(real, beta, 0.0)
-            out, final = chunk_gated_delta_rule(q, k, v, g, beta, state.current(graph_safe=step.static_shapes))
-            state.set_current(final)
-        z = z.view(b, t, self.n_v_heads, self.v_dim)
-        return row_parallel(self.out_proj, self.norm(out, z).reshape(b, t, -1), self.parallel)
 
 
 class MLP(nn.Module):
@@ -328,8 +134,8 @@ class MoE(nn.Module):
         if shared is None:
             routed = self.experts(flat, weights, chosen, plan_tokens=plan)
             return (routed + shared_weight * self.shared_expert(flat)).view(x.shape)
-        return routed_and_shared_experts(flat, self.experts.stacked(), weights, chosen, shared, shared_weight,
-                                         plan_tokens=plan).view(x.shape)
+        return fused_experts(flat, self.experts.stacked(), weights, chosen, shared=(shared, shared_weight),
+                             plan_tokens=plan).view(x.shape)
 
     def parallel_forward(self, flat: torch.Tensor, weights: torch.Tensor, chosen: torch.Tensor,
                          shared_weight: torch.Tensor, int8: bool) -> torch.Tensor:
@@ -441,9 +247,6 @@ class Qwen35(nn.Module):
         vocab = config.vocab_size if self.vocab_rows is None else self.vocab_rows.stop - self.vocab_rows.start
         self.lm_head = None if config.tie_word_embeddings else Linear(h, vocab)
         self.mtp = MTPHead(local, self.parallel) if with_mtp else None
-        # decode / verify steps batch-invariant (runtime/invariance.py): True, False, or None: off
-        # (generate.use_invariance)
-        self.batch_invariant: bool | None = None
 
     def stack_projections(self) -> None:
         stack_projections(self)
@@ -465,13 +268,14 @@ class Qwen35(nn.Module):
 
     def make_step(self, start: torch.Tensor, t: int, n_valid: torch.Tensor | None, capacity: int,
                   static_shapes: bool = False) -> Step:
-        """The Step of T = t tokens starting at positions start [B] (n_valid, static_shapes: see forward) of a
-        state with room for `capacity` positions. Decode / verify steps take static shapes where graphs can
-        capture them."""
+        """The Step of T = t tokens starting at positions start [B] of a state with room for `capacity`
+        positions: a prefill of n_valid [B] real tokens per row, or (n_valid None) a decode / verify step, which
+        takes static shapes where graphs can capture it (static_shapes: see prefill)."""
         positions = start[:, None] + torch.arange(t, device=start.device)
         cos, sin = self.rope_at(positions, capacity)
-        static = static_shapes or (n_valid is None and graphs_supported(start.device))
-        return Step(start.clone(), cos, sin, n_valid, static_shapes=static)
+        prefill = n_valid is not None
+        static = static_shapes or (not prefill and graphs_supported(start.device))
+        return Step(start.clone(), cos, sin, prefill, n_valid, static_shapes=static)
 
     def rope_at(self, positions: torch.Tensor, reach: int) -> tuple[torch.Tensor, torch.Tensor]:
         """rope_tables(positions) for positions [B, T] < reach (those beyond are padding: they get the last
@@ -486,18 +290,24 @@ class Qwen35(nn.Module):
         both = table[positions.clamp_max(table.shape[0] - 1)]  # [B, T, 2 * rotary_dim]
         return both[..., :rot], both[..., rot:]
 
-    def forward(self, tokens: torch.Tensor, state: ModelState, n_valid: torch.Tensor | None = None,
+    def prefill(self, tokens: torch.Tensor, state: ModelState, n_valid: torch.Tensor,
                 hidden_states: list[torch.Tensor] | None = None, static_shapes: bool = False) -> torch.Tensor:
-        """tokens [B, T] at positions state.positions[b] + t -> final-normed hidden [B, T, hidden].
-        n_valid [B]: a prefill of that many real tokens per row (right padding); None: a decode / verify
-        step of T <= spec_tokens + 1 tokens. Commit afterwards with commit_accepted. `hidden_states`, if
-        given, receives what transformers' output_hidden_states gives: the embeddings, the outputs of
-        layers 0..n-2 and the final normed hidden. static_shapes: a prefill without a host synchronisation
-        (Step.static_shapes), which a graph can capture; its padding rows must lie within the state's capacity."""
+        """A chunk of prompts: tokens [B, T] at positions state.positions[b] + t, the first n_valid[b] of row b
+        real (right padding) -> final-normed hidden [B, T, hidden]. Commit afterwards with
+        commit_accepted(state, n_valid, 0). `hidden_states`, if given, receives what transformers'
+        output_hidden_states gives: the embeddings, the outputs of layers 0..n-2 and the final normed hidden.
+        static_shapes: without a host synchronisation (Step.static_shapes), which a graph can capture; its
+        padding rows must lie within the state's capacity. A prefill is not a step: it runs the fast kernels,
+        whatever batch_invariant() says."""
         step = self.make_step(state.positions, tokens.shape[1], n_valid, state.capacity, static_shapes)
-        # a prefill is not a step: the fast kernels, whatever batch_invariant() says
-        with batch_invariant(None) if n_valid is not None else contextlib.nullcontext():
+        with batch_invariant(None):
             return run_layers(self.layers, state.layers, self.embed_tokens(tokens), step, self.norm, hidden_states)
+
+    def step(self, tokens: torch.Tensor, state: ModelState) -> torch.Tensor:
+        """A decode / verify step: tokens [B, T] (T <= spec_tokens + 1) at positions state.positions[b] + t ->
+        final-normed hidden [B, T, hidden], staged until commit_accepted(state, n_new, T) keeps n_new[b] of them."""
+        step = self.make_step(state.positions, tokens.shape[1], None, state.capacity)
+        return run_layers(self.layers, state.layers, self.embed_tokens(tokens), step, self.norm)
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """[..., hidden] -> [..., vocab]. On several ranks each computes its vocabulary rows' and they are

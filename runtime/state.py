@@ -3,7 +3,9 @@ recurrent states with a verify log of k + 1 token updates and conv windows of (W
 `commit_accepted`, which keeps what a verify step accepted.
 
 A forward writes the tokens it is given at positions `state.positions + t`; every forward is followed by
-`commit_accepted(state, n_new)`, which advances each request by the tokens it keeps.
+`commit_accepted(state, n_new, step_tokens)`, which advances each request by the tokens it keeps. What a commit
+does depends only on its arguments - how many tokens the decode / verify step before it took (0 after a prefill)
+- never on a count the forward left behind: a replayed graph and a direct call commit alike.
 """
 
 from __future__ import annotations
@@ -62,7 +64,6 @@ class GDNState:
                                                            state_dtype(dtype), device)
         width = config.linear_conv_kernel_dim - 1 + slots - 1
         self.conv = torch.zeros(batch, config.conv_dim, width, dtype=dtype, device=device)
-        self.staged = 0  # tokens of a verify step awaiting commit
 
     @property
     def slots(self) -> int:
@@ -82,20 +83,22 @@ class GDNState:
         if self.log is not None:
             self.log.clear()
 
-    def commit(self, n_new: torch.Tensor) -> None:
-        if not self.staged:
+    def commit(self, n_new: torch.Tensor, step_tokens: int) -> None:
+        """Keep the first n_new[b] of the step_tokens tokens the last decode / verify step staged (step_tokens 0:
+        the last forward was a prefill, which leaves nothing staged)."""
+        if not step_tokens:
             return
+        if step_tokens > self.slots:
+            raise ValueError(f"a commit of a {step_tokens}-token step; the state holds steps of {self.slots}")
         if self.log is not None:
-            self.log.keep(n_new.clamp(0, self.staged))
-        if self.staged == 1:  # one staged token: every request keeps it (or has finished), the window stays
-            self.staged = 0
+            self.log.keep(n_new.clamp(0, step_tokens))
+        if step_tokens == 1:  # one staged token: every request keeps it (or has finished), the window stays
             return
         # A request that keeps nothing (it has finished) shifts its window as if it kept one token: unused.
-        keep = n_new.clamp(1, self.staged)
+        keep = n_new.clamp(1, step_tokens)
         width = self.conv.shape[-1]
-        cols = (torch.arange(width, device=keep.device)[None, :] - (self.staged - keep)[:, None]).clamp_min(0)
+        cols = (torch.arange(width, device=keep.device)[None, :] - (step_tokens - keep)[:, None]).clamp_min(0)
         self.conv.copy_(self.conv.gather(-1, cols[:, None, :].expand(-1, self.conv.shape[1], -1)))
-        self.staged = 0
 
 
 LayerState = KVCache | GDNState
@@ -104,7 +107,7 @@ LayerState = KVCache | GDNState
 @dataclass
 class ModelState:
     """positions [B]: tokens committed per request; layers: one state per decoder layer; capacity: the
-    positions each request has room for."""
+    positions each request has room for (its KV caches' rows; positions beyond are padding, never read)."""
 
     positions: torch.Tensor
     layers: list[LayerState]
@@ -119,7 +122,7 @@ def new_target_state(config: ModelConfig, batch: int, capacity: int, spec_tokens
         if kind == FULL_ATTENTION else GDNState(batch, spec_tokens + 1, config, dtype, device)
         for kind in config.layer_types
     ]
-    return ModelState(torch.zeros(batch, dtype=torch.long, device=device), layers, capacity + spec_tokens + 1)
+    return ModelState(torch.zeros(batch, dtype=torch.long, device=device), layers, capacity)
 
 
 def new_mtp_state(config: ModelConfig, batch: int, capacity: int, dtype: torch.dtype,
@@ -142,13 +145,13 @@ def reset_state(state: ModelState) -> None:
             layer.conv.zero_()
             if layer.log is not None:
                 layer.log.clear()
-            layer.staged = 0
 
 
-def commit_accepted(state: ModelState, n_new: torch.Tensor) -> None:
-    """Keep the first n_new[b] tokens of the last forward for request b (0 for a finished request):
-    KV length p -> p + n_new, GDN log entries 0..n_new - 1 pending, conv window rolled back over the rest."""
+def commit_accepted(state: ModelState, n_new: torch.Tensor, step_tokens: int) -> None:
+    """Keep the first n_new[b] tokens of the last forward for request b (0 for a finished request): KV length
+    p -> p + n_new; after a decode / verify step of step_tokens tokens, GDN log entries 0..n_new - 1 pending
+    and the conv window rolled back over the rest (step_tokens = 0 after a prefill, which staged nothing)."""
     state.positions += n_new
     for layer in state.layers:
         if isinstance(layer, GDNState):
-            layer.commit(n_new)
+            layer.commit(n_new, step_tokens)

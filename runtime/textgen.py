@@ -11,8 +11,9 @@ import torch
 from npuport.devices import pick_device
 from npuport.errors import NpuportError
 from npuport.jsonfile import read_json_object
-from npuport.runtime.generate import generate, use_invariance
+from npuport.runtime.generate import generate
 from npuport.runtime.loader import load_model
+from npuport.runtime.run_options import run_options
 from npuport.runtime.sampling import SamplingParams
 
 DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32, "float64": torch.float64}
@@ -59,7 +60,8 @@ def stop_token_ids(model_dir: Path) -> list[int]:
 
 
 def run_generate(model_dir: Path, texts: Sequence[str], id_prompts: Sequence[str], max_new_tokens: int, mtp: int,
-                 sampling: SamplingParams, device: str | None, dtype: str, batch_invariant: bool | None = None) -> dict:
+                 sampling: SamplingParams, device: str | None, dtype: str, batch_invariant: bool | None = None,
+                 dispatch: str | None = None) -> dict:
     """Generate for every --prompt and --prompt-ids; returns the report `npuport generate --json` prints."""
     model_dir = Path(model_dir)
     if dtype not in DTYPES:
@@ -71,9 +73,8 @@ def run_generate(model_dir: Path, texts: Sequence[str], id_prompts: Sequence[str
         raise NpuportError(f"{model_dir} has no tokenizer; use --prompt-ids")
     prompts = [tokenizer.encode(t) for t in texts] + [parse_prompt_ids(s) for s in id_prompts]
     model = load_model(model_dir, pick_device(device), DTYPES[dtype])
-    invariant = use_invariance(model, batch_invariant, mtp)
-    result = generate(model, prompts, max_new_tokens, mtp=mtp, sampling=sampling,
-                      stop_tokens=stop_token_ids(model_dir), invariant=invariant)
+    options = run_options(model, mtp, invariant=batch_invariant, dispatch=dispatch)
+    result = generate(model, prompts, max_new_tokens, options, sampling=sampling, stop_tokens=stop_token_ids(model_dir))
     requests = []
     for i, (prompt, tokens) in enumerate(zip(prompts, result.tokens, strict=True)):
         requests.append({
@@ -87,7 +88,8 @@ def run_generate(model_dir: Path, texts: Sequence[str], id_prompts: Sequence[str
         "model": str(model_dir),
         "device": str(model.device),
         "devices": model.parallel.world,
-        "batch_invariant": invariant,
+        "batch_invariant": options.invariant,
+        "dispatch": {True: "bf16", False: "int8", None: "auto"}[options.dispatch.bf16],
         "dtype": dtype,
         "mtp": mtp,
         "requests": requests,

@@ -45,7 +45,7 @@ def sequence_losses(model: Qwen35, tokens: torch.Tensor) -> SequenceLosses:
     if t < 3:
         raise ValueError(f"sequences of {t} tokens are too short for the MTP loss (it needs 3)")
     lengths = torch.full((batch,), t, dtype=torch.long, device=tokens.device)
-    hidden = model(tokens, model.new_state(batch, t), lengths)  # [B, T, hidden]
+    hidden = model.prefill(tokens, model.new_state(batch, t), lengths)  # [B, T, hidden]
     target = _cross_entropy(model.logits(hidden[:, :-1]), tokens[:, 1:])
     mtp_logits, _ = model.mtp_forward(tokens[:, 1:-1], hidden[:, :-2], model.new_mtp_state(batch, t - 2))
     mtp = _cross_entropy(mtp_logits, tokens[:, 2:])

@@ -4,14 +4,11 @@ give each token the bits it gets in that largest step (Triton's interpreter on C
 
 from __future__ import annotations
 
-import importlib
-
 import pytest
 import torch
 
 import npuport.kernels.launch as launch_module
-from npuport.kernels.fused_moe import fused_experts_triton, grouped_config
-from npuport.kernels.fused_moe.few_tokens import few_tokens_config
+from npuport.kernels.fused_moe import GROUPED, MATVEC, grouped_config, matvec_config, plan_experts_triton
 from npuport.kernels.invariant_linear import invariant_linear_reference
 from npuport.runtime.invariance import batch_invariant, current_invariance
 from npuport.runtime.linear import Linear, stack_linears
@@ -38,52 +35,34 @@ def test_linear_layers_take_the_invariant_gemm_inside_the_setting(monkeypatch):
         torch.testing.assert_close(g, f)
 
 
-class Chosen(Exception):
-    """Raised by a stand-in kernel once the path is known."""
-
-
 @pytest.mark.parametrize("plan", [None, 12, 17])
-def test_moe_steps_take_the_path_and_tiles_of_the_largest_planned_step(monkeypatch, plan):
-    """A one-token step planned for 12 tokens (96 routed pairs) takes the mat-vec kernels with the tiles of 12
+def test_moe_steps_take_the_path_and_tiles_of_the_largest_planned_step(plan):
+    """A one-token step planned for 12 tokens (96 routed pairs) takes the matvec kernels with the tiles of 12
     tokens; planned for 17 (136 pairs), the grouped GEMMs; unplanned, its own size's. (Whether the two paths'
     bits differ is the GPU's to show: in the interpreter both sum in numpy's order.)"""
-    module = importlib.import_module("npuport.kernels.fused_moe.fused_experts")  # the package's name is a function
-    monkeypatch.setattr(launch_module, "runs_triton", lambda device: True)
-    seen = []
-
-    def mat_vec(*args, **kwargs):
-        seen.append(args[6])
-        raise Chosen
-
-    def grouped(*args, **kwargs):
-        seen.append(args[7])
-        raise Chosen
-
-    monkeypatch.setattr(module, "few_tokens_experts", mat_vec)
-    monkeypatch.setattr(module, "grouped_gemm", grouped)
     x = torch.randn(1, HIDDEN).bfloat16()
-    ids, weights = routings(1, 8, 16, "random", seed=1), torch.full((1, 8), 0.125).bfloat16()
-    with pytest.raises(Chosen):
-        fused_experts_triton(x, random_experts(16, False, seed=5), weights, ids, plan_tokens=plan)
-    want = {None: few_tokens_config(8), 12: few_tokens_config(96), 17: grouped_config(136, 16, x.device)}[plan]
-    assert seen == [want]
+    ids = routings(1, 8, 16, "random", seed=1)
+    got = plan_experts_triton(x, random_experts(16, False, seed=5), ids, plan_tokens=plan)
+    want = {None: (MATVEC, matvec_config(8)), 12: (MATVEC, matvec_config(96)),
+            17: (GROUPED, grouped_config(136, 16, x.device))}[plan]
+    assert (got.path, got.matvec or got.grouped) == want
 
 
 def test_invariance_is_on_by_default_with_mtp_where_the_triton_kernels_run(monkeypatch, tiny_checkpoints):
-    import npuport.runtime.generate as generate_module
-    from npuport.runtime.generate import use_invariance
+    import npuport.devices as devices_module
     from npuport.runtime.loader import load_model
+    from npuport.runtime.run_options import run_options
+
+    def invariant(asked, mtp):
+        return run_options(model, mtp, invariant=asked).invariant
 
     model = load_model(tiny_checkpoints["dense-text"], "cpu", torch.float32)
-    assert not any(use_invariance(model, asked, mtp) for asked in (None, True, False) for mtp in (0, 2))
-    monkeypatch.setattr(generate_module, "runs_triton", lambda device: True)
-    assert [use_invariance(model, None, mtp) for mtp in (0, 1, 4)] == [False, True, True]
-    assert use_invariance(model, True, 0) and not use_invariance(model, False, 3)
-    model.batch_invariant = False
-    assert not use_invariance(model, None, 2) and use_invariance(model, True, 2)
-    model.batch_invariant = None
+    assert not any(invariant(asked, mtp) for asked in (None, True, False) for mtp in (0, 2))
+    monkeypatch.setattr(devices_module, "runs_triton", lambda device: True)
+    assert [invariant(None, mtp) for mtp in (0, 1, 4)] == [False, True, True]
+    assert invariant(True, 0) and not invariant(False, 3)
     monkeypatch.setattr(type(model.parallel), "active", property(lambda self: True))  # as on several devices
-    assert not use_invariance(model, None, 2) and use_invariance(model, True, 2)
+    assert not invariant(None, 2) and invariant(True, 2)
 
 
 def test_verify_steps_give_the_bits_of_decode_steps_in_bf16_on_the_kernels(monkeypatch, tiny_checkpoints,
@@ -93,8 +72,8 @@ def test_verify_steps_give_the_bits_of_decode_steps_in_bf16_on_the_kernels(monke
     that token (replayed into the GDN states by the next step) the next step's logits are those of a state that
     decoded it. The prompt is prefilled on the references (a prefill is no step). Each interpreted step takes ~6 s:
     hence one request and one kept token; the GPU test covers more (test_kernels_on_gpu.py)."""
-    from npuport.runtime.generate import pad_prompts, prefill
     from npuport.runtime.loader import load_model
+    from npuport.runtime.prefill import pad_prompts, prefill
     from npuport.runtime.state import commit_accepted
 
     model = load_model(tiny_checkpoints["moe-multimodal-fused"], "cpu", torch.bfloat16)
@@ -103,11 +82,12 @@ def test_verify_steps_give_the_bits_of_decode_steps_in_bf16_on_the_kernels(monke
     for state in (plain, spec):
         prefill(model, state, tokens, lengths)
     monkeypatch.setattr(launch_module, "runs_triton", lambda device: True)
+    monkeypatch.setattr("npuport.kernels.implementations.runs_triton", lambda device: True)  # CPU as a Triton device
     drafts, following = torch.tensor([[5, 6]]), torch.tensor([[11]])
 
     def step(state, tok, keep):
-        logits = model.logits(model(tok, state))
-        commit_accepted(state, torch.full((1,), keep))
+        logits = model.logits(model.step(tok, state))
+        commit_accepted(state, torch.full((1,), keep), tok.shape[1])
         return logits
 
     with batch_invariant(5):

@@ -23,7 +23,8 @@ from click.testing import CliRunner
 
 from npuport.cli import main
 from npuport.errors import EndpointError
-from npuport.runtime.validation.endpoint import CompletionsEndpoint, EndpointGivenUp, retry_after_seconds
+from npuport.runtime.validation.endpoint import CompletionsEndpoint, EndpointGivenUp
+from npuport.runtime.validation.endpoint_http import retry_after_seconds
 from tests.test_endpoint import FAST, completion, scripted_server, serving
 
 # ---------------------------------------------------------------------------------------------------------

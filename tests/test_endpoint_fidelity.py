@@ -30,7 +30,7 @@ from npuport.runtime.validation.endpoint_fidelity import (
 )
 from npuport.runtime.validation.fidelity import kl_divergence
 from npuport.runtime.validation.gsm8k import make_protocol
-from npuport.runtime.validation.logprobs import topk_kl_estimate, topk_kl_from_logits
+from npuport.runtime.validation.topk_kl import topk_kl_estimate, topk_kl_from_logits
 from tests.test_serve import serve_process
 
 pytestmark = pytest.mark.usefixtures("one_cpu_thread")

@@ -128,6 +128,7 @@ def test_float16_takes_the_same_roundings():
 def test_the_dispatchers_take_the_kernels_except_for_float64(monkeypatch, dtype, takes_the_kernel):
     """With CPU tensors counted as a Triton device: float64 goes to the references, float32 to the kernels."""
     monkeypatch.setattr(launch_module, "runs_triton", lambda device: True)
+    monkeypatch.setattr("npuport.kernels.implementations.runs_triton", lambda device: True)  # CPU as a Triton device
     calls = []
     for module, name in [(rms_norm_module, "add_rms_norm_triton"), (gated_module, "gated_rms_norm_triton"),
                          (rope_module, "rms_norm_rope_triton")]:

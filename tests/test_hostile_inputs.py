@@ -27,8 +27,8 @@ from npuport.runtime.validation.report import (
     MTPAcceptance,
     ThroughputRun,
     ValidationReport,
-    write_report,
 )
+from npuport.runtime.validation.report_files import write_report
 
 DEEP = "[" * 100_000  # Python's json recurses once per level: RecursionError long before the end
 BIG_INT = '{"a": ' + "7" * 5000 + "}"  # Python refuses to read an integer of more than 4300 digits

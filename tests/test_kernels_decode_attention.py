@@ -184,6 +184,7 @@ def test_the_dispatcher_takes_the_kernel_for_decode_steps_except_in_float64(monk
     """With CPU tensors counted as a Triton device: a step of up to MAX_TOKENS tokens goes to the kernel, float64
     and longer steps to the reference."""
     monkeypatch.setattr(launch_module, "runs_triton", lambda device: True)
+    monkeypatch.setattr("npuport.kernels.implementations.runs_triton", lambda device: True)  # CPU as a Triton device
     calls = []
     monkeypatch.setattr(attention_module, "decode_attention_triton",
                         lambda *args, **kw: calls.append(args) or triton_attention(*args, **kw))

@@ -184,9 +184,10 @@ def stacked_experts(s: Sizes, dtype: torch.dtype, quantized: bool, shared_quanti
 
 
 def moe(s: Sizes, dtype: torch.dtype, rows: int, quantized: bool, plan_tokens: int | None) -> None:
-    """Routing and the experts, the shared expert riding along (BF16 beside int8 experts, as the W8A8 recipes keep
-    it, or int8), the routed experts alone and the shared expert added after them (several ranks)."""
-    from npuport.kernels.fused_moe import add_weighted_expert, fused_experts, route_top_k, routed_and_shared_experts
+    """Routing and the experts: the shared expert riding along (BF16 beside int8 experts, as the W8A8 recipes keep
+    it, or int8), the routed experts alone (several ranks), a shared expert of another layout (its rows apart)
+    added after them by matvec launches of its own, and the tokens arriving quantized (int8 dispatch)."""
+    from npuport.kernels.fused_moe import StackedExperts, fused_experts, route_top_k
     from npuport.kernels.w8a8 import quantize_per_token_int8
 
     x = empty(rows, s.hidden_size, dtype=dtype)
@@ -195,13 +196,15 @@ def moe(s: Sizes, dtype: torch.dtype, rows: int, quantized: bool, plan_tokens: i
     shared_weight = empty(rows, 1, dtype=dtype)
     for shared_quantized in {False, quantized}:
         routed, shared = stacked_experts(s, dtype, quantized, shared_quantized)
-        routed_and_shared_experts(x, routed, weights, ids, shared, shared_weight, plan_tokens=plan_tokens)
+        fused_experts(x, routed, weights, ids, shared=(shared, shared_weight), plan_tokens=plan_tokens)
     routed, shared = stacked_experts(s, dtype, quantized, False)
-    base = fused_experts(x, routed, weights, ids, plan_tokens=plan_tokens)
-    add_weighted_expert(x, shared, shared_weight, base, plan_tokens)
+    fused_experts(x, routed, weights, ids, plan_tokens=plan_tokens)
+    h, i = s.hidden_size, s.shared_expert_intermediate_size
+    apart = StackedExperts(empty(1, 2 * i, h + 16, dtype=dtype)[..., :h], empty(1, h, i + 16, dtype=dtype)[..., :i])
+    fused_experts(x, routed, weights, ids, shared=(apart, shared_weight), plan_tokens=plan_tokens)
     if quantized:  # int8 dispatch: the tokens arrive quantized (expert parallelism)
         x_q, x_scale = quantize_per_token_int8(x)
-        fused_experts(x, routed, weights, ids, (x_q, x_scale), plan_tokens)
+        fused_experts(x, routed, weights, ids, x_int8=(x_q, x_scale), plan_tokens=plan_tokens)
 
 
 def record_runtime_launches() -> list[Launch]:

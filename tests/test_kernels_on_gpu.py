@@ -60,8 +60,10 @@ from npuport.kernels.w8a8 import (  # noqa: E402
     quantize_per_token_int8_reference,
 )
 from npuport.runtime import model as runtime_model  # noqa: E402
-from npuport.runtime.generate import forward_logits, generate, prefill  # noqa: E402
+from npuport.runtime.generate import forward_logits, generate  # noqa: E402
 from npuport.runtime.loader import load_model  # noqa: E402
+from npuport.runtime.prefill import prefill  # noqa: E402
+from npuport.runtime.sampling import SamplingParams  # noqa: E402
 
 CUDA = torch.device("cuda")
 H, K, V, W = 16, 128, 128, 4
@@ -315,7 +317,7 @@ def verify_logits(model, prompt: list[int]) -> torch.Tensor:
     state = model.new_state(1, len(prompt) + 4, spec_tokens=3)
     prefill(model, state, tokens[:, :-4], torch.tensor([len(prompt) - 4], device=model.device))
     with torch.no_grad():
-        return model.logits(model(tokens[:, -4:], state))[0]
+        return model.logits(model.step(tokens[:, -4:], state))[0]
 
 
 @pytest.mark.parametrize("kind", ["dense-multimodal", "w8a8:dense-text", "moe-multimodal-fused",
@@ -337,11 +339,8 @@ def test_gpu_logits_match_the_cpu_references(kind, tiny_checkpoints, tiny_artifa
         # choices (against float32 and against the CPU in bf16 alike). Their GPU kernels are held to the same
         # model on the GPU in bf16 with the PyTorch references for routing and experts instead.
         with monkeypatch.context() as patch:
-            patch.setattr(runtime_model, "fused_experts", lambda x, experts, weights, ids, x_int8=None,
-                          plan_tokens=None: fused_experts_reference(x, experts, weights, ids))
-            patch.setattr(runtime_model, "routed_and_shared_experts",  # the path layers with a shared expert take
-                          lambda x, experts, weights, ids, shared, shared_weight, x_int8=None, plan_tokens=None:
-                          fused_experts_reference(x, experts, weights, ids, shared=(shared, shared_weight)))
+            patch.setattr(runtime_model, "fused_experts", lambda x, experts, weights, ids, *, shared=None, x_int8=None,
+                          plan_tokens=None: fused_experts_reference(x, experts, weights, ids, shared=shared))
             patch.setattr(runtime_model, "route_top_k", route_top_k_reference)
             want = forward_logits(gpu16, PROMPTS)[0].cpu().float()
             cpu16 = None
@@ -368,6 +367,18 @@ def test_whole_step_graphs_stop_as_eager_steps_do(tiny_checkpoints):
             want = generate(model, PROMPTS, max_new, mtp=k, stop_tokens=stops, graphs=False)
             got = generate(model, PROMPTS, max_new, mtp=k, stop_tokens=stops)
             assert (got.tokens, got.finish_reasons) == (want.tokens, want.finish_reasons), (k, max_new)
+
+
+def test_sampled_rounds_with_captured_parts_draw_as_eager_rounds_do(tiny_checkpoints):
+    """Sampling with graphs runs each part of a round (verify, commit, drafts, the head's catch-up) as a captured
+    graph and the sampler's draws eagerly between them: with the same seed, the tokens of the eager rounds."""
+    model = load_model(tiny_checkpoints["moe-text-per-expert"], CUDA, torch.bfloat16)
+    sampling = SamplingParams(temperature=0.8, top_p=0.9, seed=7)
+    for k in (0, 2):
+        want = generate(model, PROMPTS, 24, mtp=k, sampling=sampling, graphs=False)
+        got = generate(model, PROMPTS, 24, mtp=k, sampling=sampling, graphs=True)
+        assert (got.tokens, got.finish_reasons) == (want.tokens, want.finish_reasons), k
+        assert got.stats is None if k == 0 else got.stats.to_dict() == want.stats.to_dict()
 
 
 @pytest.mark.parametrize("batch", [1, 8, 40])

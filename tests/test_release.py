@@ -32,8 +32,8 @@ from npuport.runtime.validation.report import (
     MTPAcceptance,
     ThroughputRun,
     ValidationReport,
-    write_report,
 )
+from npuport.runtime.validation.report_files import write_report
 
 SOURCE_NAME = "Qwen3.5-tiny"
 LICENSE_TEXT = "                                 Apache License\n                           Version 2.0, January 2004\n"

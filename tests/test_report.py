@@ -16,8 +16,8 @@ from npuport.runtime.validation.report import (
     MTPAcceptance,
     ThroughputRun,
     ValidationReport,
-    write_report,
 )
+from npuport.runtime.validation.report_files import write_report
 
 RECORDS = [GSM8KRecord(f"Q{i}?", f"w\n#### {g}") for i, g in enumerate([18, 3, 70, 5, 12])]
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"

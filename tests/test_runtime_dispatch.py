@@ -33,10 +33,12 @@ pytestmark = pytest.mark.usefixtures("one_cpu_thread")
 
 
 def runtime_sources() -> dict[str, str]:
-    """The engine's modules (runtime/ without its validation sub-package), the kernels and the device module."""
+    """The engine's modules (runtime/ and its self-test, without the validation and serving sub-packages), the
+    kernels and the device module."""
     runtime_dir = Path(npuport.runtime.__file__).parent
     kernels_dir = Path(npuport.kernels.__file__).parent
-    files = [*sorted(runtime_dir.glob("*.py")), *sorted(kernels_dir.rglob("*.py")), Path(devices.__file__)]
+    files = [*sorted(runtime_dir.glob("*.py")), *sorted((runtime_dir / "selftest").glob("*.py")),
+             *sorted(kernels_dir.rglob("*.py")), Path(devices.__file__)]
     return {str(p.relative_to(p.parents[1])): p.read_text() for p in files}
 
 
@@ -132,7 +134,7 @@ def test_target_and_mtp_threads_running_together_each_get_their_own_dispatch(moe
     def target() -> None:
         with dispatch(bf16=False):  # int8 tokens into the W8A8 experts
             for _ in range(10):
-                model(tokens, model.new_state(2, 8), torch.full((2,), 6))
+                model.prefill(tokens, model.new_state(2, 8), torch.full((2,), 6))
 
     def mtp() -> None:
         for _ in range(10):  # mtp_forward sets BF16 dispatch; seeing int8 would raise DispatchError
@@ -160,8 +162,8 @@ def test_forced_int8_dispatch_into_bf16_experts_is_refused(tiny_checkpoints):
     tokens = torch.tensor([[5, 6, 7]])
     with pytest.raises(DispatchError, match=r"layers\.0\.mlp: int8 dispatch was forced, but the experts .* are BF16"):
         with dispatch(bf16=False):
-            model(tokens, model.new_state(1, 4), torch.tensor([3]))
-    model(tokens, model.new_state(1, 4), torch.tensor([3]))  # follows the experts by default
+            model.prefill(tokens, model.new_state(1, 4), torch.tensor([3]))
+    model.prefill(tokens, model.new_state(1, 4), torch.tensor([3]))  # follows the experts by default
 
 
 def test_device_choice_prefers_npu_then_cuda_then_cpu(monkeypatch):
@@ -192,3 +194,33 @@ def test_with_index_fills_in_the_current_device_and_leaves_named_ones(monkeypatc
     assert devices.with_index(torch.device("cuda")) == torch.device("cuda", 3)
     assert devices.with_index(torch.device("cuda", 1)) == torch.device("cuda", 1)
     assert devices.with_index(torch.device("cpu")) == torch.device("cpu")
+
+
+def test_the_dispatch_option_reaches_every_moe_layer_of_a_generate_run(tiny_artifacts, tiny_checkpoints, monkeypatch):
+    """`npuport generate --dispatch` decides the setting once for the run: each target MoE layer of a W8A8 artifact
+    sees it (the MTP head's layers always BF16), the report names it, and int8 into BF16 experts is one error line."""
+    from click.testing import CliRunner
+
+    from npuport.cli import main
+
+    seen = set()
+    real = runtime_model.int8_dispatch
+
+    def recording(experts_quantized: bool, layer: str) -> bool:
+        result = real(experts_quantized, layer)
+        seen.add((layer.startswith("mtp."), result))
+        return result
+
+    monkeypatch.setattr(runtime_model, "int8_dispatch", recording)
+    artifact = str(tiny_artifacts["moe-text-per-expert"])
+    for choice, int8 in (("bf16", False), ("int8", True), ("auto", True)):
+        seen.clear()
+        result = CliRunner().invoke(main, ["generate", artifact, "--prompt-ids", "5,6,7", "--max-new-tokens", "3",
+                                           "--mtp", "1", "--dtype", "float32", "--dispatch", choice, "--json"])
+        assert result.exit_code == 0, result.output
+        assert seen == {(False, int8), (True, False)}, choice
+        assert f'"dispatch": "{choice}"' in result.output
+    refused = CliRunner().invoke(main, ["generate", str(tiny_checkpoints["moe-multimodal-fused"]), "--prompt-ids",
+                                        "5,6,7", "--max-new-tokens", "2", "--dispatch", "int8"])
+    assert refused.exit_code == 1
+    assert refused.output.count("\n") == 1 and "int8 dispatch was forced" in refused.output

@@ -17,8 +17,9 @@ import torch
 from transformers import AutoModelForCausalLM
 
 from npuport.fixtures.tiny_checkpoint import TinySpec, make_tiny
-from npuport.runtime.generate import forward_logits, pad_prompts, prefill
+from npuport.runtime.generate import forward_logits
 from npuport.runtime.loader import load_model
+from npuport.runtime.prefill import pad_prompts, prefill
 from npuport.runtime.state import commit_accepted
 
 pytestmark = pytest.mark.usefixtures("one_cpu_thread")
@@ -63,8 +64,8 @@ def test_logits_match_transformers_at_prefill_and_every_decode_step(pair):
     decoded, step_logits = [], []
     for _ in range(DECODE_STEPS):
         decoded.append(nxt)
-        logits = model.logits(model(nxt[:, None], state))[:, 0]
-        commit_accepted(state, torch.ones_like(lengths))
+        logits = model.logits(model.step(nxt[:, None], state))[:, 0]
+        commit_accepted(state, torch.ones_like(lengths), 1)
         step_logits.append(logits)
         nxt = logits.argmax(-1)
     for row, prompt in enumerate(PROMPTS):
@@ -93,7 +94,7 @@ def test_each_layer_matches_transformers_given_the_same_input(pair):
             if i == n - 1:
                 out = model.norm(out)
             worst = max(worst, (out - hidden[i + 1][:, begin : begin + count]).abs().max().item())
-        commit_accepted(state, torch.full((2,), count))
+        commit_accepted(state, torch.full((2,), count), 0 if is_prefill else count)
     assert worst < LAYER_ATOL
 
 

@@ -9,9 +9,10 @@ import functools
 import pytest
 import torch
 
-from npuport.runtime import generate as generate_module
-from npuport.runtime.generate import Steps, pad_prompts, padded_prefill, prefill, static_prefill_chunk
+from npuport.runtime import graphs as graphs_module
+from npuport.runtime.graphs import Steps
 from npuport.runtime.loader import load_model
+from npuport.runtime.prefill import pad_prompts, padded_prefill, prefill, static_prefill_chunk
 from npuport.runtime.state import GDNState, KVCache, ModelState, commit_accepted
 
 pytestmark = pytest.mark.usefixtures("one_cpu_thread")
@@ -62,7 +63,7 @@ def test_chunked_and_padded_prefill_equal_one_pass(model, padded, chunk):
         torch.testing.assert_close(h_other[row, :n], h_one[row, :n], rtol=1e-10, atol=1e-10)
     assert_same_state(one, other, [0, 1, 2], [0, 1, 2])
     nxt = torch.tensor([[5], [6], [7]])
-    logits = [model.logits(model(nxt, s)) for s in (one, other)]
+    logits = [model.logits(model.step(nxt, s)) for s in (one, other)]
     torch.testing.assert_close(logits[1], logits[0], rtol=1e-10, atol=1e-10)
 
 
@@ -78,7 +79,7 @@ def test_prefills_padded_for_graphs_equal_the_plain_ones(model, monkeypatch):
                      for _ in range(2))
     h_plain = plain.prefill(tokens, lengths, None)
     head_plain = plain.mtp_prefill(shifted, h_plain, lengths, None)
-    monkeypatch.setattr(generate_module, "graphs_supported", lambda device: True)
+    monkeypatch.setattr(graphs_module, "graphs_supported", lambda device: True)
     h_padded = padded.prefill(tokens, lengths, None)
     head_padded = padded.mtp_prefill(shifted, h_padded, lengths, None)
     for row, n in enumerate(lengths.tolist()):
@@ -104,20 +105,20 @@ def test_verify_then_commit_equals_decoding_the_kept_tokens(model, k):
     prefill(model, verified, tokens, lengths)
     candidates = torch.randint(3, 1000, (3, k + 1), generator=torch.Generator().manual_seed(k))
     kept = [1, 2, k + 1]
-    model(candidates, verified)
-    commit_accepted(verified, torch.tensor(kept))
+    model.step(candidates, verified)
+    commit_accepted(verified, torch.tensor(kept), k + 1)
     for row, prompt in enumerate(PROMPTS):
         decoded = model.new_state(1, 40, spec_tokens=k)
         prefill(model, decoded, torch.tensor([prompt]), torch.tensor([len(prompt)]))
         for j in range(kept[row]):
-            model(candidates[row : row + 1, j : j + 1], decoded)
-            commit_accepted(decoded, torch.ones(1, dtype=torch.long))
+            model.step(candidates[row : row + 1, j : j + 1], decoded)
+            commit_accepted(decoded, torch.ones(1, dtype=torch.long), 1)
         assert_same_state(verified, decoded, [row], [0], width=model.config.linear_conv_kernel_dim - 1)
     nxt = torch.tensor([[5], [6], [7]])
-    after_verify = model.logits(model(nxt, verified))
+    after_verify = model.logits(model.step(nxt, verified))
     for row, prompt in enumerate(PROMPTS):
         decoded = model.new_state(1, 40)
         prefill(model, decoded, torch.tensor([prompt + candidates[row, : kept[row]].tolist()]),
                 torch.tensor([len(prompt) + kept[row]]))
-        torch.testing.assert_close(after_verify[row], model.logits(model(nxt[row : row + 1], decoded))[0],
+        torch.testing.assert_close(after_verify[row], model.logits(model.step(nxt[row : row + 1], decoded))[0],
                                    rtol=1e-9, atol=1e-9)

@@ -122,7 +122,7 @@ def test_w8a8_layers_equal_transformers_with_dequantized_weights(tiny_checkpoint
             out = sum(layer(hidden[i][:, begin : begin + count], None, layer_state, step))  # MLP output + stream
             out = model.norm(out) if i == len(model.layers) - 1 else out
             errors.append((out - hidden[i + 1][:, begin : begin + count]).abs().amax(-1).flatten())
-        commit_accepted(state, torch.full((2,), count))
+        commit_accepted(state, torch.full((2,), count), 0 if begin == 0 else count)
     # Float32 rounding, except where the two sides round one activation to neighbouring int8 levels (its
     # inputs differ by ~1e-7 across a .5 boundary): that moves one token's output by one quantization step.
     errors = torch.cat(errors)

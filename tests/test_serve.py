@@ -20,11 +20,11 @@ import pytest
 from click.testing import CliRunner
 
 from npuport.cli import main
+from npuport.runtime.completion import cut_at_stop
 from npuport.runtime.generate import generate
-from npuport.runtime.validation.completions import RuntimeCompletions
+from npuport.runtime.serving.serve import make_server
+from npuport.runtime.text_completions import RuntimeCompletions
 from npuport.runtime.validation.endpoint import CompletionsEndpoint
-from npuport.runtime.validation.gsm8k import cut_at_stop
-from npuport.runtime.validation.serve import make_server
 
 pytestmark = pytest.mark.usefixtures("one_cpu_thread")
 

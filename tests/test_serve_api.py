@@ -16,8 +16,8 @@ import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from npuport.fixtures.train_tiny import trained_tiny_path
-from npuport.runtime.validation.completions import RuntimeCompletions
-from npuport.runtime.validation.serve import make_server
+from npuport.runtime.serving.serve import make_server
+from npuport.runtime.text_completions import RuntimeCompletions
 from tests.test_serve import call, post, running
 
 pytestmark = pytest.mark.usefixtures("one_cpu_thread")

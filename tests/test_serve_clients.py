@@ -17,9 +17,9 @@ from lm_eval.tasks import TaskManager
 
 from npuport.cli import main
 from npuport.fixtures.train_tiny import trained_tiny_path
-from npuport.runtime.validation.completions import RuntimeCompletions
+from npuport.runtime.serving.serve import make_server
+from npuport.runtime.text_completions import RuntimeCompletions
 from npuport.runtime.validation.gsm8k import gsm8k_path, normalize_lm_eval
-from npuport.runtime.validation.serve import make_server
 from tests.test_serve import post, running
 
 pytestmark = pytest.mark.usefixtures("one_cpu_thread")

@@ -17,13 +17,14 @@ from collections.abc import Callable, Iterator
 import pytest
 import torch
 
-from npuport.runtime.generate import generate, pad_prompts, prefill, prefill_chunk_width
+from npuport.runtime.generate import generate
 from npuport.runtime.loader import load_model
+from npuport.runtime.prefill import pad_prompts, prefill, prefill_chunk_width
 from npuport.runtime.sampling import SamplingParams
-from npuport.runtime.validation.batching import Job, RequestBatcher
-from npuport.runtime.validation.completions import RuntimeCompletions, TextRequest
-from npuport.runtime.validation.openai_api import ChatRequest, CompletionRequest, Generation, RequestError
-from npuport.runtime.validation.service import OpenAIService, peer_closed
+from npuport.runtime.serving.api_requests import ChatRequest, CompletionRequest, Generation, RequestError
+from npuport.runtime.serving.batching import Job, RequestBatcher
+from npuport.runtime.serving.service import OpenAIService, peer_closed
+from npuport.runtime.text_completions import RuntimeCompletions, TextRequest
 
 pytestmark = pytest.mark.usefixtures("one_cpu_thread")
 
@@ -68,7 +69,7 @@ def test_echoed_log_probabilities_come_from_logits_a_chunk_of_positions_at_a_tim
     """An echo + logprobs request over a long prompt: never the whole prompt's logits at once (at Qwen3.5's
     vocabulary [T, V] is 16 GB for 32k tokens), and the values a naive float64 log-softmax over one pass's logits
     gives."""
-    from npuport.runtime.validation import logprobs as logprobs_module
+    from npuport.runtime import token_logprobs as logprobs_module
 
     sequence = long_prompts([700])[0]
     logits = model64.logits(prefill(model64, model64.new_state(1, 700), *pad_prompts([sequence], "cpu"), 700))[0]
@@ -257,7 +258,8 @@ def test_a_client_that_leaves_a_non_streaming_request_stops_its_generation_over_
     answered."""
     from contextlib import closing
 
-    from npuport.runtime.validation.serve import ServeLimits, make_server
+    from npuport.runtime.serving.limits import ServeLimits
+    from npuport.runtime.serving.serve import make_server
     from tests.test_serve import post, running
     from tests.test_serve_limits import address
 
@@ -271,6 +273,37 @@ def test_a_client_that_leaves_a_non_streaming_request_stops_its_generation_over_
         assert until(lambda: server.service.batcher.in_flight == 0), "the request whose client left still runs"
         status, answer = post(url, {"prompt": PROMPT, "max_tokens": 2})
     assert status == 200 and answer["usage"]["completion_tokens"] == 2
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_a_request_whose_client_left_is_logged_as_cancelled_not_as_a_dropped_connection(runner, stream):
+    """A client that closes its connection while its request generates: the server's request log says the request
+    was cancelled, and the operator's error channel (internal errors, dropped connections) hears nothing of it."""
+    from contextlib import closing
+
+    from npuport.runtime.serving.limits import ServeLimits
+    from npuport.runtime.serving.serve import make_server
+    from tests.test_serve import running
+    from tests.test_serve_limits import address
+
+    logs: list[str] = []
+    reports: list[str] = []
+    server = make_server(runner, "tiny", limits=ServeLimits(max_tokens=20_000), log=logs.append,
+                         report=reports.append)
+    with running(server) as url:
+        body = json.dumps({"prompt": PROMPT, "max_tokens": 20_000, "temperature": 0, "stream": stream}).encode()
+        with closing(socket.create_connection(address(url))) as client:
+            client.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+                           b"Content-Length: " + str(len(body)).encode() + b"\r\n\r\n" + body)
+            assert until(lambda: server.service.batcher.in_flight == 1)
+            if stream:
+                assert client.recv(1)  # the stream has begun
+        assert until(lambda: server.service.batcher.in_flight == 0), "the request whose client left still runs"
+        assert until(lambda: any("cancelled" in line for line in logs))
+    request_line = '"POST /v1/completions HTTP/1.1"'
+    assert [line for line in logs if "cancelled" in line] == [f"127.0.0.1 {request_line} cancelled: the client "
+                                                              "went away"]
+    assert reports == []
 
 
 def test_a_cancelled_jobs_rows_stop_at_their_next_check_reported_cancelled(runner):

@@ -19,9 +19,10 @@ import pytest
 from click.testing import CliRunner
 
 from npuport.cli import main
-from npuport.runtime.validation.completions import RuntimeCompletions
-from npuport.runtime.validation.openai_api import RequestError, parse_completion_request
-from npuport.runtime.validation.serve import ServeLimits, make_server
+from npuport.runtime.serving.api_requests import RequestError, parse_completion_request
+from npuport.runtime.serving.limits import ServeLimits
+from npuport.runtime.serving.serve import make_server
+from npuport.runtime.text_completions import RuntimeCompletions
 from tests.test_serve import KIND, call, post, running, serve_process
 from tests.test_serve_limits import PROMPT, address, closed_by_server, exchange, openai_error
 

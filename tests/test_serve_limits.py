@@ -19,8 +19,10 @@ from contextlib import closing
 
 import pytest
 
-from npuport.runtime.validation.completions import RuntimeCompletions
-from npuport.runtime.validation.serve import MAX_BODY_BYTES, ServeLimits, exposure_warning, make_server
+from npuport.runtime.serving.http_handler import MAX_BODY_BYTES
+from npuport.runtime.serving.limits import ServeLimits
+from npuport.runtime.serving.serve import exposure_warning, make_server
+from npuport.runtime.text_completions import RuntimeCompletions
 from tests.test_serve import KIND, START_TIMEOUT_S, call, post, running
 
 pytestmark = pytest.mark.usefixtures("one_cpu_thread")

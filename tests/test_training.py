@@ -57,12 +57,12 @@ def test_training_losses_are_those_of_token_by_token_decoding(tiny_checkpoints, 
     state, mtp_state = model.new_state(batch, length), model.new_mtp_state(batch, length)
     hidden = []
     for i in range(length):
-        hidden.append(model(tokens[:, i : i + 1], state)[:, 0])
-        commit_accepted(state, one)
+        hidden.append(model.step(tokens[:, i : i + 1], state)[:, 0])
+        commit_accepted(state, one, 1)
     mtp_logits = []
     for i in range(length - 2):
         logits, _ = model.mtp_forward(tokens[:, i + 1 : i + 2], hidden[i][:, None], mtp_state)
-        commit_accepted(mtp_state, one)
+        commit_accepted(mtp_state, one, 1)
         mtp_logits.append(logits[:, 0])
     target_logits = model.logits(torch.stack(hidden[:-1], dim=1))
     target = F.cross_entropy(target_logits.flatten(0, 1), tokens[:, 1:].flatten())

@@ -18,18 +18,19 @@ from click.testing import CliRunner
 from safetensors.torch import load_file, save_file
 
 from npuport.cli import main
+from npuport.kernels.implementations import OPERATORS
+from npuport.runtime.completion import cut_at_stop
 from npuport.runtime.generate import generate
 from npuport.runtime.loader import load_model
+from npuport.runtime.text_completions import finish_completion
 from npuport.runtime.textgen import load_tokenizer, stop_token_ids
 from npuport.runtime.validation import throughput
-from npuport.runtime.validation.completions import finish_completion
 from npuport.runtime.validation.fidelity import greedy_token_agreement, kl_divergence
 from npuport.runtime.validation.gates import accuracy_drop_gate
 from npuport.runtime.validation.gsm8k import (
     AISBENCH_INSTRUCTION,
     GSM8KRecord,
     SGLangProtocol,
-    cut_at_stop,
     gsm8k_path,
     make_protocol,
 )
@@ -195,6 +196,9 @@ def test_validate_writes_the_report_the_plots_and_the_completions(validated):
     assert report["settings"]["protocol"] == "sglang" and report["seed"] == 1234
     assert f"the fastest of {THROUGHPUT_REPEATS}" in report["settings"]["throughput"]
     assert report["versions"]["torch"] and report["device"].startswith("cpu")
+    # which implementation ran each operator: on the CPU, every one its PyTorch reference
+    ran = dict(entry.rsplit(" ", 1) for entry in report["settings"]["implementations"].split(", "))
+    assert ran == dict.fromkeys(OPERATORS, "reference")
     md = (out / "report.md").read_text()
     assert "## Fidelity against BF16" in md and "## Throughput" in md and "## MTP acceptance" in md
 

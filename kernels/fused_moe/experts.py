@@ -1,4 +1,5 @@
-"""The experts of one MoE layer stacked into single tensors, as the grouped kernels read them."""
+"""The experts of one MoE layer stacked into single tensors, as the kernels read them, and whether a shared expert
+can ride along with the routed ones."""
 
 from __future__ import annotations
 
@@ -35,3 +36,13 @@ class StackedExperts:
     @property
     def hidden(self) -> int:
         return self.down.shape[1]
+
+
+def shares_layout(experts: StackedExperts, shared: StackedExperts) -> bool:
+    """Whether the kernels can run `shared` (one expert) as one more slot of `experts`: the same kind (BF16 or
+    int8) or a float one beside int8 experts (the W8A8 recipes keep shared experts FLOAT), the same widths and
+    row strides."""
+    pairs = ((shared.gate_up, experts.gate_up), (shared.down, experts.down))
+    return (shared.num_experts == 1 and (shared.quantized == experts.quantized or experts.quantized)
+            and all(a.shape[1:] == b.shape[1:] and a.stride()[1:] == b.stride()[1:] == (b.shape[2], 1)
+                    for a, b in pairs))

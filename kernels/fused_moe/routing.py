@@ -9,6 +9,7 @@ from dataclasses import dataclass
 
 import torch
 
+from npuport.kernels.implementations import NATIVE, TRITON, runnable
 from npuport.kernels.launch import (
     jit,
     launch,
@@ -19,6 +20,7 @@ from npuport.kernels.launch import (
     unit_last_stride,
     use_triton,
 )
+from npuport.kernels.npu.moe import moe_routing_native, moe_routing_refusal
 
 
 def route_top_k(router_logits: torch.Tensor, top_k: int, weight_dtype: torch.dtype
@@ -26,8 +28,13 @@ def route_top_k(router_logits: torch.Tensor, top_k: int, weight_dtype: torch.dty
     """router_logits [M, E] -> (weights [M, top_k] in weight_dtype, expert ids [M, top_k] int64): softmax in
     fp32 (float64 for float64 logits), the top_k largest in descending order, divided by their sum (Qwen3.5
     always renormalises), then rounded to weight_dtype (the activations' dtype, in which the weights multiply
-    expert outputs). One Triton launch on a GPU or NPU."""
-    if use_triton(router_logits):
+    expert outputs). On an NPU npu_moe_gating_top_k_softmax where its constraints hold, else one Triton launch on
+    a GPU or NPU."""
+    chosen = runnable("moe_routing", router_logits.device, lambda: moe_routing_refusal(router_logits, top_k),
+                      use_triton(router_logits))
+    if chosen == NATIVE:
+        return moe_routing_native(router_logits, top_k, weight_dtype)
+    if chosen == TRITON:
         return route_top_k_triton(router_logits, top_k, weight_dtype)
     return route_top_k_reference(router_logits, top_k, weight_dtype)
 

@@ -10,7 +10,9 @@ import torch
 from npuport.devices import multiprocessor_count
 from npuport.kernels.gated_delta_rule.l2norm import unit_rows
 from npuport.kernels.gated_delta_rule.naive import chunk_gated_delta_rule_reference
+from npuport.kernels.implementations import NATIVE, TRITON, runnable
 from npuport.kernels.launch import jit, launch, launch_options, next_power_of_2, persistent_grid, tl, use_triton
+from npuport.kernels.npu import gdn as native
 
 
 def chunk_gated_delta_rule(
@@ -26,7 +28,10 @@ def chunk_gated_delta_rule(
     """Prefill. Returns o [B, T, HV, V] (v's dtype) and the state after the last token, final_state
     [B, HV, K, V] fp32. initial_state [B, HV, K, V] (zeros when None). A token with g = 0 and beta = 0
     leaves the state unchanged, which is how padding is masked."""
-    if use_triton(q, k, v):
+    chosen = runnable("gdn_chunk", q.device, lambda: native.gdn_chunk_refusal(q, v), use_triton(q, k, v))
+    if chosen == NATIVE:
+        return native.gdn_chunk_native(q, k, v, g, beta, initial_state, use_qk_l2norm)
+    if chosen == TRITON:
         return chunk_gated_delta_rule_triton(q, k, v, g, beta, initial_state, use_qk_l2norm, chunk_size)
     return chunk_gated_delta_rule_reference(q, k, v, g, beta, initial_state, use_qk_l2norm, chunk_size)
 

@@ -10,7 +10,9 @@ import torch
 from npuport.kernels.gated_delta_rule.naive import fused_recurrent_gated_delta_rule_reference
 from npuport.kernels.gated_delta_rule.verify_log import VerifyLog, check_log_room
 from npuport.kernels.gdn_gating import softplus
+from npuport.kernels.implementations import NATIVE, TRITON, runnable
 from npuport.kernels.launch import jit, launch, launch_options, next_power_of_2, persistent_grid, tl, use_triton
+from npuport.kernels.npu import gdn as native
 
 
 def fused_recurrent_gated_delta_rule(
@@ -34,7 +36,13 @@ def fused_recurrent_gated_delta_rule(
     beta are the raw in_proj_a / in_proj_b outputs [B, T, HV] and the gating (gdn_gating.fused_gdn_gating)
     is computed inside. plan_tokens: launch as for steps of that many tokens, whatever T is (batch-invariant
     steps: a decode step then sums each state column in a verify step's order); default T."""
-    if use_triton(q, k, v):
+    # A batch-invariant step (plan_tokens) does not take the native operator: its documentation does not promise a
+    # state column summed in one order whatever the step's size.
+    refusal = None if plan_tokens is not None else lambda: native.gdn_recurrent_refusal(q, v, log is not None)
+    chosen = runnable("gdn_recurrent", q.device, refusal, use_triton(q, k, v))
+    if chosen == NATIVE:
+        return native.gdn_recurrent_native(q, k, v, g, beta, state, use_qk_l2norm, A_log, dt_bias)
+    if chosen == TRITON:
         return fused_recurrent_gated_delta_rule_triton(q, k, v, g, beta, state, log, use_qk_l2norm, A_log, dt_bias,
                                                        plan_tokens=plan_tokens)
     return fused_recurrent_gated_delta_rule_reference(q, k, v, g, beta, state, log, use_qk_l2norm, A_log, dt_bias)

@@ -8,6 +8,7 @@ from dataclasses import dataclass
 import torch
 
 from npuport.devices import timed_graph, with_index
+from npuport.kernels.implementations import NATIVE, TRITON, runnable
 from npuport.kernels.launch import (
     L2_LINE_BYTES,
     is_gpu,
@@ -23,6 +24,7 @@ from npuport.kernels.launch import (
     use_triton,
     wait_for_previous_kernel,
 )
+from npuport.kernels.npu import w8a8 as native
 from npuport.kernels.w8a8.naive import int8_matmul_rescale_reference
 from npuport.kernels.w8a8.quantize import gemm_overlaps_quantization
 
@@ -37,7 +39,11 @@ def int8_matmul_rescale(
 ) -> torch.Tensor:
     """x_q int8 [M, K], x_scale fp32 [M, 1], w_q int8 [N, K], w_scale fp32 [N, 1] -> y [M, N] in out_dtype:
     the exact int32 product, rescaled in fp32 (float64 for a float64 out_dtype)."""
-    if use_triton(x_q) and out_dtype != torch.float64:
+    chosen = runnable("w8a8_matmul", x_q.device, lambda: native.matmul_refusal(x_q, w_q, out_dtype),
+                      use_triton(x_q) and out_dtype != torch.float64)
+    if chosen == NATIVE:
+        return native.int8_matmul_rescale_native(x_q, x_scale, w_q, w_scale, out_dtype)
+    if chosen == TRITON:
         return int8_matmul_rescale_triton(x_q, x_scale, w_q, w_scale, out_dtype)
     return int8_matmul_rescale_reference(x_q, x_scale, w_q, w_scale, out_dtype)
 

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import torch
 
+from npuport.kernels.implementations import NATIVE, TRITON, runnable
 from npuport.kernels.launch import (
     dependent_launch,
     is_gpu,
@@ -17,12 +18,16 @@ from npuport.kernels.launch import (
     unit_last_stride,
     use_triton,
 )
+from npuport.kernels.npu import w8a8 as native
 from npuport.kernels.w8a8.naive import quantize_per_token_int8_reference
 
 
 def quantize_per_token_int8(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """x [M, K] (any float dtype) -> x_q int8 [M, K], x_scale fp32 [M, 1] (round half to even)."""
-    if use_triton(x):
+    chosen = runnable("w8a8_quantize", x.device, lambda: native.quantize_refusal(x), use_triton(x))
+    if chosen == NATIVE:
+        return native.quantize_per_token_int8_native(x)
+    if chosen == TRITON:
         return quantize_per_token_int8_triton(x)
     return quantize_per_token_int8_reference(x)
 

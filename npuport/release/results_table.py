@@ -7,7 +7,8 @@ from dataclasses import dataclass, replace
 from typing import Any
 
 from npuport.jsonfile import JSONFieldError, JSONFields
-from npuport.runtime.validation.report import _THROUGHPUT_COLUMNS, FULL_KL
+from npuport.runtime.validation.report import FULL_KL
+from npuport.runtime.validation.report_markdown import THROUGHPUT_COLUMNS
 
 HEADING = "## Measured results"
 MISSING = "–"
@@ -96,7 +97,7 @@ def _fidelity_rows(fidelity: JSONFields, reference: str) -> list[ResultRow]:
 
 def _throughput_rows(run: JSONFields) -> list[ResultRow]:
     protocol = f"{run.text('label')}, MTP {'on' if run.flag('mtp') else 'off'}, batch {run.integer('batch_size')}"
-    figures = [(name, run.number(attr, optional=True), digits) for name, attr, digits in _THROUGHPUT_COLUMNS]
+    figures = [(name, run.number(attr, optional=True), digits) for name, attr, digits in THROUGHPUT_COLUMNS]
     return [ResultRow(name, protocol, None, value, fmt=f".{digits}f") for name, value, digits in figures
             if value is not None]
 

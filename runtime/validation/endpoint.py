@@ -5,21 +5,30 @@ is lost."""
 
 from __future__ import annotations
 
-import email.utils
-import errno
 import http.client
 import json
-import math
-import socket
 import threading
 import time
 import urllib.error
 import urllib.request
 from collections.abc import Callable, Mapping, Sequence
 from concurrent.futures import CancelledError, Future, ThreadPoolExecutor, as_completed, wait
-from dataclasses import dataclass
 
 from npuport.errors import EndpointError
+from npuport.runtime.completion import Completion, CompletionBatch
+from npuport.runtime.validation.endpoint_http import (
+    CuttableHTTPHandler,
+    CuttableHTTPSHandler,
+    Exchange,
+    NoRedirect,
+    OverCap,
+    error_body_start,
+    is_unreachable,
+    read_capped,
+    retry_after_seconds,
+    snippet,
+    status_text,
+)
 
 DEFAULT_MAX_RETRY_AFTER_S = 60.0  # a server asking for longer is waited on this long, then tried again
 DEFAULT_FAILURES_TO_GIVE_UP = 8  # questions failed in a row (after their retries) that end the run
@@ -30,7 +39,6 @@ ANSWER_BYTES_FLOOR = 1 << 20
 ANSWER_BYTES_PER_TOKEN = 1 << 10
 OPENAI_DEFAULT_MAX_TOKENS = 16  # what the API generates when a request does not say
 MODEL_LIST_BYTES = 1 << 20  # a /v1/models answer: names of a few models
-_READ_CHUNK = 1 << 16
 _DEADLINE = "deadline"
 _GIVEN_UP = "given up"
 
@@ -52,57 +60,19 @@ def served_models(base_url: str, timeout_s: float = 30.0, api_key: str | None = 
     if it cannot say."""
     url = completions_url(base_url).removesuffix("/completions") + "/models"
     headers = {"Accept": "application/json"} | ({"Authorization": f"Bearer {api_key}"} if api_key else {})
-    opener = urllib.request.build_opener(_NoRedirect())
+    opener = urllib.request.build_opener(NoRedirect())
     try:
         with opener.open(urllib.request.Request(url, headers=headers), timeout=timeout_s) as response:
-            data = json.loads(_read_capped(response, MODEL_LIST_BYTES))
+            data = json.loads(read_capped(response, MODEL_LIST_BYTES))
         return [m["id"] for m in data["data"] if isinstance(m, dict) and isinstance(m.get("id"), str)]
     except urllib.error.HTTPError as e:
-        raise EndpointError(f"{url}: answered {_status(e)}") from None
-    except _OverCap:
+        raise EndpointError(f"{url}: answered {status_text(e)}") from None
+    except OverCap:
         raise EndpointError(f"{url}: answered more than {MODEL_LIST_BYTES} bytes for a model list") from None
     except (urllib.error.URLError, OSError, http.client.HTTPException) as e:
         raise EndpointError(f"{url}: unreachable ({getattr(e, 'reason', e)})") from None
     except (ValueError, KeyError, TypeError, RecursionError):  # RecursionError: JSON nested past the parser's depth
         raise EndpointError(f"{url}: answered no model list") from None
-
-
-@dataclass(frozen=True)
-class EndpointCompletion:
-    """One prompt's answer: the text and `usage.completion_tokens` (None when the server did not say).
-    A question that got no usable answer has `error` set (one line) and the empty text, which scores as wrong."""
-
-    text: str
-    completion_tokens: int | None
-    finish_reason: str | None = None
-    error: str | None = None
-
-    @classmethod
-    def failed(cls, error: str) -> EndpointCompletion:
-        return cls("", None, None, error)
-
-
-@dataclass(frozen=True)
-class EndpointBatch:
-    """All answers, in prompt order, and the wall seconds from the first request sent to the last answer."""
-
-    completions: list[EndpointCompletion]
-    latency_s: float
-
-    @property
-    def texts(self) -> list[str]:
-        return [c.text for c in self.completions]
-
-    @property
-    def completion_tokens(self) -> int | None:
-        """Total completion tokens of the answered questions, or None if any answer lacked a count."""
-        counts = [c.completion_tokens for c in self.completions if c.error is None]
-        return None if any(c is None for c in counts) else sum(counts)
-
-    @property
-    def failures(self) -> dict[int, str]:
-        """Question index -> the error of each question that got no usable answer."""
-        return {i: c.error for i, c in enumerate(self.completions) if c.error is not None}
 
 
 class QuestionFailed(EndpointError):
@@ -119,7 +89,7 @@ class EndpointGivenUp(EndpointError):
     """The run stopped: the server is unreachable or too many questions failed in a row. `answered` holds
     every question that ended before (index -> its answer or failure); nothing was sent after."""
 
-    def __init__(self, message: str, answered: dict[int, EndpointCompletion]):
+    def __init__(self, message: str, answered: dict[int, Completion]):
         super().__init__(message)
         self.answered = answered
 
@@ -137,40 +107,6 @@ class _Cancelled(Exception):
     """The run was given up before this request ended; the question stays unanswered, not failed."""
 
 
-class _NoRedirect(urllib.request.HTTPRedirectHandler):
-    """Redirects end a request as the HTTP answers they are: urllib would send a POST on as a GET without its
-    body (301 to 303), and follow a redirect to ftp:// outside the exchange's deadline and size cap."""
-
-    def redirect_request(self, req, fp, code, msg, headers, newurl):
-        return None
-
-
-def _status(error: urllib.error.HTTPError) -> str:
-    """`HTTP <code>`, and where a redirect points."""
-    if 300 <= error.code < 400 and error.headers is not None:
-        location = _snippet(error.headers.get("Location", "").encode())
-        return f"HTTP {error.code} (a redirect to {location}, not followed: give that URL)"
-    return f"HTTP {error.code}"
-
-
-class _OverCap(Exception):
-    """An answer longer than the bytes it was read for; the rest of it is left unread."""
-
-
-def _read_capped(response: http.client.HTTPResponse, limit: int) -> bytes:
-    """The body of `response`, at most `limit` bytes of it: _OverCap as soon as a Content-Length or the bytes
-    read pass the limit, chunked or unframed bodies alike, before the rest is read."""
-    if response.length is not None and response.length > limit:
-        raise _OverCap
-    parts, size = [], 0
-    while chunk := response.read(min(_READ_CHUNK, limit + 1 - size)):  # one byte past the limit tells
-        parts.append(chunk)
-        size += len(chunk)
-        if size > limit:
-            raise _OverCap
-    return b"".join(parts)
-
-
 def answer_byte_limit(fields: Mapping) -> int:
     """The most bytes an answer to a completions request of `fields` is read for: ANSWER_BYTES_FLOOR, and
     ANSWER_BYTES_PER_TOKEN for each token it may hold (`max_tokens`, with `echo` also the prompt's: a text
@@ -186,82 +122,6 @@ def answer_byte_limit(fields: Mapping) -> int:
     return ANSWER_BYTES_FLOOR + ANSWER_BYTES_PER_TOKEN * tokens * (2 + count("logprobs", 0)) * max(count("n", 1), 1)
 
 
-# ---------------------------------------------------------------------------------------------------------
-# One HTTP exchange that another thread can cut short
-
-
-def _shutdown(sock: socket.socket) -> None:
-    try:  # the plain socket's shutdown, also for TLS: it unblocks the reader without touching the TLS state
-        socket.socket.shutdown(sock, socket.SHUT_RDWR)
-    except OSError:  # already closed by the peer or by us
-        pass
-
-
-class _Exchange:
-    """One request and its answer on their own connection. `cut(reason)` shuts the socket down from any
-    thread, so a connect, send or read blocked on it returns at once; urllib's `timeout` alone bounds each
-    socket operation, not the exchange (a server dripping a byte a second would never time out)."""
-
-    def __init__(self) -> None:
-        self._lock = threading.Lock()
-        self._sock: socket.socket | None = None
-        self.cut_reason: str | None = None
-
-    def attach(self, sock: socket.socket) -> None:
-        """Called once connected: a cut that came during the connect takes effect now."""
-        with self._lock:
-            self._sock = sock
-            already_cut = self.cut_reason is not None
-        if already_cut:
-            _shutdown(sock)
-
-    def cut(self, reason: str) -> None:
-        with self._lock:
-            if self.cut_reason is None:
-                self.cut_reason = reason
-            sock = self._sock
-        if sock is not None:
-            _shutdown(sock)
-
-
-class _Cuttable:
-    """Mixed into an http.client connection: hands its socket to the exchange once connected."""
-
-    def __init__(self, host: str, *, exchange: _Exchange, **kwargs):
-        super().__init__(host, **kwargs)
-        self._exchange = exchange
-
-    def connect(self) -> None:
-        super().connect()
-        self._exchange.attach(self.sock)
-
-
-class _CuttableHTTPConnection(_Cuttable, http.client.HTTPConnection):
-    pass
-
-
-class _CuttableHTTPSConnection(_Cuttable, http.client.HTTPSConnection):
-    pass
-
-
-class _CuttableHTTPHandler(urllib.request.HTTPHandler):
-    def __init__(self, exchange: _Exchange):
-        super().__init__()
-        self._exchange = exchange
-
-    def http_open(self, req):
-        return self.do_open(_CuttableHTTPConnection, req, exchange=self._exchange)
-
-
-class _CuttableHTTPSHandler(urllib.request.HTTPSHandler):
-    def __init__(self, exchange: _Exchange):
-        super().__init__()
-        self._exchange = exchange
-
-    def https_open(self, req):
-        return self.do_open(_CuttableHTTPSConnection, req, context=self._context, exchange=self._exchange)
-
-
 class _Run:
     """The requests of one `complete` call and when to give the endpoint up. Each question that ends is
     counted at once, in the worker thread, so the decision does not wait for the caller's thread; `stop()`
@@ -270,19 +130,19 @@ class _Run:
 
     def __init__(self, failures_to_give_up: int) -> None:
         self._lock = threading.Lock()
-        self._open: set[_Exchange] = set()
+        self._open: set[Exchange] = set()
         self._limit = failures_to_give_up
         self._streak = 0
         self.stopped = threading.Event()
         self.given_up: str | None = None  # why, once given up
 
-    def enter(self, exchange: _Exchange) -> None:
+    def enter(self, exchange: Exchange) -> None:
         with self._lock:
             if self.stopped.is_set():
                 raise _Cancelled
             self._open.add(exchange)
 
-    def leave(self, exchange: _Exchange) -> None:
+    def leave(self, exchange: Exchange) -> None:
         with self._lock:
             self._open.discard(exchange)
 
@@ -306,37 +166,6 @@ class _Run:
             in_flight = list(self._open)
         for exchange in in_flight:
             exchange.cut(_GIVEN_UP)
-
-
-# ---------------------------------------------------------------------------------------------------------
-
-
-def retry_after_seconds(value: str | None, cap: float) -> float | None:
-    """The wait a `Retry-After` header asks for, at most `cap`: delay-seconds ("120") or an HTTP date;
-    None when absent or unreadable."""
-    if not value:
-        return None
-    value = value.strip()
-    try:
-        seconds = float(value)
-    except ValueError:
-        try:
-            when = email.utils.parsedate_to_datetime(value)
-        except (TypeError, ValueError):
-            return None
-        seconds = when.timestamp() - time.time()
-    if not math.isfinite(seconds):
-        return None
-    return min(max(seconds, 0.0), cap)
-
-
-_UNREACHABLE_ERRNOS = {errno.ECONNREFUSED, errno.EHOSTUNREACH, errno.ENETUNREACH, errno.EADDRNOTAVAIL}
-
-
-def _is_unreachable(reason: object) -> bool:
-    """Whether a connect failure says nobody serves at that address (rather than a slow or flaky server)."""
-    return isinstance(reason, (ConnectionRefusedError, socket.gaierror)) or (
-        isinstance(reason, OSError) and reason.errno in _UNREACHABLE_ERRNOS)
 
 
 class CompletionsEndpoint:
@@ -374,7 +203,7 @@ class CompletionsEndpoint:
 
     def complete(self, prompts: Sequence[str], *, max_tokens: int, stop: Sequence[str] = (),
                  progress: Callable[[int], None] | None = None,
-                 on_answer: Callable[[int, EndpointCompletion], None] | None = None) -> EndpointBatch:
+                 on_answer: Callable[[int, Completion], None] | None = None) -> CompletionBatch:
         """Complete every prompt, `parallel` requests at a time. A question that fails for good (after its
         retries) is recorded as failed and the run goes on; `on_answer(index, completion)` and then
         `progress(done)` are called as each question ends, in the calling thread.
@@ -382,7 +211,7 @@ class CompletionsEndpoint:
         The endpoint is given up when it is unreachable, or when the last `failures_to_give_up` questions
         to end (every question, in a shorter run) all failed: requests in flight are then cut, no request
         is sent any more, and EndpointGivenUp is raised with what had ended."""
-        answered: dict[int, EndpointCompletion] = {}
+        answered: dict[int, Completion] = {}
 
         def deliver(index: int, future: Future) -> None:
             try:
@@ -390,7 +219,7 @@ class CompletionsEndpoint:
             except (_Cancelled, CancelledError):
                 return
             except QuestionFailed as e:
-                answer = EndpointCompletion.failed(e.reason)
+                answer = Completion.failed(e.reason)
             answered[index] = answer
             if on_answer is not None:
                 on_answer(index, answer)
@@ -423,15 +252,15 @@ class CompletionsEndpoint:
             raise EndpointGivenUp(
                 f"{self.url}: stopped sending requests ({run.given_up}); {len(answered) - failed} of "
                 f"{len(prompts)} question(s) answered, {failed} failed, the rest not sent or cut", answered)
-        return EndpointBatch([answered[i] for i in range(len(prompts))], time.perf_counter() - start)
+        return CompletionBatch([answered[i] for i in range(len(prompts))], time.perf_counter() - start)
 
-    def complete_one(self, prompt: str, *, max_tokens: int, stop: Sequence[str] = ()) -> EndpointCompletion:
+    def complete_one(self, prompt: str, *, max_tokens: int, stop: Sequence[str] = ()) -> Completion:
         """One greedy completion, with the retries described on the class; QuestionFailed if it fails."""
         return self._complete(prompt, max_tokens, stop, None)
 
     # -----------------------------------------------------------------------------------------------------
 
-    def _counted(self, prompt: str, max_tokens: int, stop: Sequence[str], run: _Run) -> EndpointCompletion:
+    def _counted(self, prompt: str, max_tokens: int, stop: Sequence[str], run: _Run) -> Completion:
         """`_complete`, and the run told that the question ended."""
         try:
             answer = self._complete(prompt, max_tokens, stop, run)
@@ -441,7 +270,7 @@ class CompletionsEndpoint:
         run.ended(None)
         return answer
 
-    def _complete(self, prompt: str, max_tokens: int, stop: Sequence[str], run: _Run | None) -> EndpointCompletion:
+    def _complete(self, prompt: str, max_tokens: int, stop: Sequence[str], run: _Run | None) -> Completion:
         return self._parse(self._request({"prompt": prompt, "max_tokens": max_tokens, "temperature": 0,
                                           "stop": list(stop)}, run))
 
@@ -473,7 +302,7 @@ class CompletionsEndpoint:
     def _exchange(self, payload: bytes, limit: int, run: _Run | None) -> bytes:
         """POST the payload and read the whole answer, at most `limit` bytes, within the deadline; the body of
         a 2xx answer."""
-        exchange = _Exchange()
+        exchange = Exchange()
         if run is not None:
             run.enter(exchange)
         deadline = threading.Timer(self.timeout_s, exchange.cut, args=(_DEADLINE,))
@@ -492,35 +321,35 @@ class CompletionsEndpoint:
             if run is not None:
                 run.leave(exchange)
 
-    def _raise_if_cut(self, exchange: _Exchange) -> None:
+    def _raise_if_cut(self, exchange: Exchange) -> None:
         if exchange.cut_reason == _GIVEN_UP:
             raise _Cancelled
         if exchange.cut_reason == _DEADLINE:
             raise _Transient(f"no answer within {self.timeout_s:g} s")
 
-    def _post(self, payload: bytes, limit: int, exchange: _Exchange) -> bytes:
+    def _post(self, payload: bytes, limit: int, exchange: Exchange) -> bytes:
         request = urllib.request.Request(self.url, data=payload, headers=self._headers, method="POST")
-        opener = urllib.request.build_opener(_CuttableHTTPHandler(exchange), _CuttableHTTPSHandler(exchange),
-                                             _NoRedirect())
+        opener = urllib.request.build_opener(CuttableHTTPHandler(exchange), CuttableHTTPSHandler(exchange),
+                                             NoRedirect())
         try:
             with opener.open(request, timeout=self.timeout_s) as response:  # closing it hangs up on the rest
-                return _read_capped(response, limit)
-        except _OverCap:  # a server that answers this much would again: not retried
+                return read_capped(response, limit)
+        except OverCap:  # a server that answers this much would again: not retried
             raise QuestionFailed(self.url, f"answered more than {limit} bytes, more than the request can need; "
                                  "read no further") from None
         except urllib.error.HTTPError as e:
-            detail = _snippet(_error_body(e))
+            detail = snippet(error_body_start(e))
             if e.code == 429 or e.code >= 500:
                 wait = (retry_after_seconds(e.headers.get("Retry-After"), self.max_retry_after_s)
                         if e.code in (429, 503) and e.headers is not None else None)
                 raise _Transient(f"HTTP {e.code} {detail}", retry_after=wait) from e
-            raise QuestionFailed(self.url, f"answered {_status(e)}: {detail}") from e
+            raise QuestionFailed(self.url, f"answered {status_text(e)}: {detail}") from e
         except TimeoutError as e:
             raise _Transient(f"no answer within {self.timeout_s:g} s") from e
         except urllib.error.URLError as e:
             if isinstance(e.reason, TimeoutError):
                 raise _Transient(f"no answer within {self.timeout_s:g} s") from e
-            raise _Transient(f"unreachable ({e.reason})", unreachable=_is_unreachable(e.reason)) from e
+            raise _Transient(f"unreachable ({e.reason})", unreachable=is_unreachable(e.reason)) from e
         except (http.client.HTTPException, OSError) as e:  # reset, refused mid-way, bad status line
             raise _Transient(f"connection failed ({type(e).__name__}: {e})") from e
 
@@ -529,37 +358,25 @@ class CompletionsEndpoint:
         try:
             data = json.loads(body)
         except RecursionError:
-            raise QuestionFailed(self.url, f"answered malformed JSON (nested too deep): {_snippet(body)}") from None
+            raise QuestionFailed(self.url, f"answered malformed JSON (nested too deep): {snippet(body)}") from None
         except ValueError as e:  # also bytes not UTF-8, and an integer past Python's int-from-string limit
             reason = str(e).split(";")[0]  # the limit's message goes on with advice for programmers
-            raise QuestionFailed(self.url, f"answered malformed JSON ({reason}): {_snippet(body)}") from None
+            raise QuestionFailed(self.url, f"answered malformed JSON ({reason}): {snippet(body)}") from None
         choices = data.get("choices") if isinstance(data, dict) else None
         if not isinstance(choices, list) or not choices or not all(isinstance(c, dict) for c in choices):
-            raise QuestionFailed(self.url, f"answered without choices: {_snippet(body)}")
+            raise QuestionFailed(self.url, f"answered without choices: {snippet(body)}")
         return data
 
-    def _parse(self, body: bytes) -> EndpointCompletion:
+    def _parse(self, body: bytes) -> Completion:
         data = self._choices(body)
         choices = data["choices"]
         text = choices[0].get("text")
         if not isinstance(text, str):
-            raise QuestionFailed(self.url, f"answered a choice without text: {_snippet(body)}")
+            raise QuestionFailed(self.url, f"answered a choice without text: {snippet(body)}")
         usage = data.get("usage")
         tokens = usage.get("completion_tokens") if isinstance(usage, dict) else None
         reason = choices[0].get("finish_reason")
         counted = isinstance(tokens, int) and not isinstance(tokens, bool) and tokens >= 0  # JSON true is an int here
-        return EndpointCompletion(text, tokens if counted else None, reason if isinstance(reason, str) else None)
+        return Completion(text, tokens if counted else None, reason if isinstance(reason, str) else None)
 
 
-def _error_body(error: urllib.error.HTTPError) -> bytes:
-    """The start of an error answer's body; whatever the connection does meanwhile (cut at the deadline)."""
-    try:
-        return error.read(4096) if error.fp is not None else b""
-    except (http.client.HTTPException, OSError):
-        return b""
-
-
-def _snippet(body: bytes, limit: int = 200) -> str:
-    """The start of a body for an error line; only its first bytes are decoded (an answer may be megabytes)."""
-    text = body[:4 * limit].decode("utf-8", errors="replace").strip()  # UTF-8: at most 4 bytes a character
-    return repr(text if len(text) <= limit and len(body) <= 4 * limit else text[:limit] + "...")

@@ -4,7 +4,7 @@ tokens, and at each position the log-probability of the token there and the top-
 
 Per prompt: both generate greedily (greedy token agreement, as the built-in fidelity counts it); then both score the
 prompt followed by the reference's tokens, teacher-forced (`echo` with `logprobs`): at every position, top-1
-agreement (the most likely token of each top-k) and the top-k KL estimate (logprobs.topk_kl_estimate). A server
+agreement (the most likely token of each top-k) and the top-k KL estimate (topk_kl.topk_kl_estimate). A server
 that refuses `echo` gets the same measures over the positions where both generations still agree - the only
 positions whose contexts are the same without teacher forcing - and the report says which estimate ran.
 """
@@ -17,11 +17,11 @@ from dataclasses import dataclass
 from typing import Protocol
 
 from npuport.errors import EndpointError
-from npuport.runtime.validation.completions import RuntimeCompletions, TextRequest
+from npuport.runtime.completion import TOKEN_ID_PREFIX
+from npuport.runtime.text_completions import RuntimeCompletions, TextRequest
 from npuport.runtime.validation.endpoint import CompletionsEndpoint, QuestionFailed
-from npuport.runtime.validation.logprobs import topk_kl_estimate
-from npuport.runtime.validation.openai_api import TOKEN_ID_PREFIX
 from npuport.runtime.validation.report import Fidelity, topk_kl_method
+from npuport.runtime.validation.topk_kl import topk_kl_estimate
 
 DEFAULT_TOP_K = 5  # the most the OpenAI API gives for completions: what any server takes
 TEACHER_FORCED = "teacher-forced on the reference's tokens (echo)"

@@ -11,8 +11,8 @@ import torch
 
 from npuport.runtime.generate import forward_logits
 from npuport.runtime.model import Qwen35
-from npuport.runtime.validation.logprobs import topk_kl_from_logits
 from npuport.runtime.validation.report import Fidelity
+from npuport.runtime.validation.topk_kl import topk_kl_from_logits
 
 KL_CHUNK = 256  # positions whose float32 log-probabilities are held at once (x 2 models x vocabulary)
 ESTIMATE_KS = (5, 20)  # the top-k an endpoint gives: the OpenAI API's most for completions, vLLM's default most
@@ -73,7 +73,7 @@ def measure_fidelity(candidate: Qwen35, reference: Qwen35, prompts: Sequence[Seq
       at every position: top-1 agreement (same argmax of the next-token logits), mean KL(reference ||
       candidate) in nats, and per decoder layer the mean cosine similarity of the two models' outputs (the
       last layer's after the final norm, as transformers' output_hidden_states gives it);
-    - at the same positions, the top-k KL estimate (logprobs.topk_kl_estimate) for each k of ESTIMATE_KS."""
+    - at the same positions, the top-k KL estimate (topk_kl.topk_kl_estimate) for each k of ESTIMATE_KS."""
     if not len(prompts) == len(candidate_tokens) == len(reference_tokens):
         raise ValueError("one prompt, one candidate and one reference generation per request")
     totals = _Totals()

@@ -1,32 +1,30 @@
 """GSM8K as the published harnesses run it (VALIDATION.md): records, gold answers, and per protocol the
-prompts, stop strings, answer extraction and scoring, so that a number printed here means what theirs means."""
+prompts, stop strings, answer extraction and scoring, so that a number printed here means what theirs means. What
+a run measured is a GSM8KResult (gsm8k_results.py)."""
 
 from __future__ import annotations
 
-import ctypes
 import json
 import random
 import re
-import threading
-import traceback
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from fractions import Fraction
 from importlib import resources
 from pathlib import Path
-from typing import Any, Protocol
+from typing import Any
 
 from npuport.errors import NpuportError
 from npuport.jsonfile import parse_json
+from npuport.runtime.chat_prompt import ChatTemplate, render_chat_prompt
+from npuport.runtime.completion import cut_at_stop
+from npuport.runtime.validation.gsm8k_results import GSM8KResult, Score
 
 PROTOCOLS = ("sglang", "sglang-classic", "lm-eval", "aisbench")
 DEFAULT_PROTOCOL = "sglang"
 DEFAULT_SHOTS = 5
 MAX_NEW_TOKENS = 512
 LM_EVAL_SEED = 1234
-
-CHAT_TEMPLATE_TIMEOUT_S = 5.0  # a real chat template renders in milliseconds
-MAX_CHAT_PROMPT_CHARS = 1 << 20  # about the text a 262,144-token context holds
 
 SGLANG_STOP = ("Question", "Assistant:", "<|separator|>")
 LM_EVAL_STOP = ("Question:",)
@@ -115,92 +113,6 @@ def few_shot_prompt(shots: Sequence[GSM8KRecord], question: str) -> str:
     return f"{examples}Question: {question}\nAnswer:"
 
 
-def cut_at_stop(text: str, stop: Sequence[str]) -> str:
-    """`text` up to the earliest stop string, as a server applying `stop` returns it."""
-    cut = len(text)
-    for s in stop:
-        i = text.find(s)
-        if i != -1:
-            cut = min(cut, i)
-    return text[:cut]
-
-
-class ChatTemplate(Protocol):
-    """Anything with a transformers-style chat template (a tokenizer loaded from the artifact)."""
-
-    def apply_chat_template(self, conversation: list[dict[str, str]], **kwargs: Any) -> Any: ...
-
-
-# A chat template comes with the artifact and is code (Jinja, run by transformers in its sandboxed environment,
-# which stops file and attribute access but neither loops nor large strings): rendered with a time and a size bound.
-
-class _RenderStopped(BaseException):
-    """Raised inside a chat template's rendering thread once its time is up; a BaseException, so that no
-    `except Exception` on the way (Jinja's own) swallows it."""
-
-
-def chat_template_source(template: ChatTemplate) -> str:
-    """Where `template`'s chat template was read from, for errors: chat_template.jinja (or chat_template.json,
-    tokenizer_config.json) in the tokenizer's folder; else the kind of object it is."""
-    folder = str(getattr(template, "name_or_path", "") or "")
-    if folder:
-        for name in ("chat_template.jinja", "chat_template.json", "tokenizer_config.json"):
-            if (Path(folder) / name).is_file():
-                return str(Path(folder) / name)
-    return f"the chat template of {folder or type(template).__name__}"
-
-
-def _template_failure(error: BaseException) -> str:
-    """One line for an error raised while rendering: its type, the first line of its message (cut short) and
-    the line of the template it came from, when Jinja's traceback names one."""
-    message = str(error).strip().splitlines()[0] if str(error).strip() else ""
-    message = message if len(message) <= 200 else message[:200] + "..."
-    line = getattr(error, "lineno", None) or next(
-        (f.lineno for f in reversed(traceback.extract_tb(error.__traceback__)) if f.filename == "<template>"), None)
-    return f"{type(error).__name__}: {message}" + (f" (template line {line})" if line else "")
-
-
-def _stop_thread(thread: threading.Thread, wait_s: float = 1.0) -> None:
-    """Raise _RenderStopped in `thread` (CPython delivers it at the thread's next bytecode, so a template
-    looping for ever stops at once rather than burning a core until the process exits) and wait for it."""
-    ctypes.pythonapi.PyThreadState_SetAsyncExc(ctypes.c_ulong(thread.ident), ctypes.py_object(_RenderStopped))
-    thread.join(wait_s)
-
-
-def render_chat_prompt(template: ChatTemplate, conversation: list[dict[str, str]],
-                       template_kwargs: dict[str, Any] | None = None, *, timeout_s: float = CHAT_TEMPLATE_TIMEOUT_S,
-                       max_chars: int = MAX_CHAT_PROMPT_CHARS) -> str:
-    """`template.apply_chat_template(conversation, tokenize=False, add_generation_prompt=True, **template_kwargs)`
-    with bounds: rendered in a worker thread, stopped after `timeout_s` seconds, and refused when the text is
-    longer than `max_chars`. Every failure - a template error, its sandbox refusing an access, either bound - is
-    one NpuportError naming where the template comes from (`chat_template_source`)."""
-    outcome: list[Any] = []
-
-    def render() -> None:
-        try:
-            outcome.append(template.apply_chat_template(conversation, tokenize=False, add_generation_prompt=True,
-                                                        **(template_kwargs or {})))
-        except BaseException as e:  # handed to the caller's thread, _RenderStopped included
-            outcome.append(e)
-
-    worker = threading.Thread(target=render, name="chat-template", daemon=True)
-    worker.start()
-    worker.join(timeout_s)
-    source = chat_template_source(template)
-    if worker.is_alive() or not outcome:
-        _stop_thread(worker)
-        raise NpuportError(f"{source}: the chat template did not render within {timeout_s:g} s (stopped)")
-    result = outcome[0]
-    if isinstance(result, BaseException):
-        raise NpuportError(f"{source}: the chat template failed: {_template_failure(result)}")
-    if not isinstance(result, str):
-        raise NpuportError(f"{source}: the chat template gave a {type(result).__name__}, not text")
-    if len(result) > max_chars:
-        raise NpuportError(f"{source}: the chat template rendered {len(result):,} characters, more than the "
-                           f"{max_chars:,} a prompt may have")
-    return result
-
-
 # ---------------------------------------------------------------------------------------------------------
 # Answer extraction, one function per harness rule; None means no answer was found (invalid)
 
@@ -282,92 +194,6 @@ class _Rule:
     name: str
     extract: Callable[[str], Any]
     judge: Callable[[Any, GSM8KRecord], bool]
-
-
-# ---------------------------------------------------------------------------------------------------------
-# Results
-
-
-@dataclass
-class Score:
-    """One scoring rule applied to every question: per-question correctness, invalidity and prediction."""
-
-    name: str
-    correct: list[bool]
-    invalid: list[bool]
-    predictions: list[str | None]
-
-    @property
-    def accuracy(self) -> float:
-        return sum(self.correct) / len(self.correct)
-
-    @property
-    def invalid_rate(self) -> float:
-        return sum(self.invalid) / len(self.invalid)
-
-    def to_dict(self) -> dict[str, Any]:
-        return {"name": self.name, "accuracy": self.accuracy, "invalid_rate": self.invalid_rate,
-                "correct": list(self.correct), "invalid": list(self.invalid), "predictions": list(self.predictions)}
-
-
-@dataclass
-class GSM8KResult:
-    """What one protocol measured on N questions. `scores[0]` is the headline score (lm-eval: strict-match,
-    then flexible-extract). Accuracies are fractions; `percent` says the harness prints them as percent.
-    `latency_s` and `completion_tokens` are filled by whoever ran the generation."""
-
-    protocol: str
-    shots: int
-    golds: list[str]
-    scores: list[Score]
-    percent: bool = False
-    seed: int | None = None
-    latency_s: float | None = None
-    completion_tokens: int | None = None
-
-    @property
-    def num_questions(self) -> int:
-        return len(self.golds)
-
-    @property
-    def accuracy(self) -> float:
-        return self.scores[0].accuracy
-
-    @property
-    def invalid_rate(self) -> float:
-        return self.scores[0].invalid_rate
-
-    @property
-    def correct(self) -> list[bool]:
-        return self.scores[0].correct
-
-    @property
-    def reported_accuracy(self) -> float:
-        """The headline accuracy as the harness prints it (0.945, or 94.5 for a percent harness)."""
-        return self.accuracy * 100 if self.percent else self.accuracy
-
-    @property
-    def output_throughput(self) -> float | None:
-        """Completion tokens per wall second of the batch, when both were recorded."""
-        if self.latency_s is None or self.completion_tokens is None or self.latency_s <= 0:
-            return None
-        return self.completion_tokens / self.latency_s
-
-    def score(self, name: str) -> Score:
-        for s in self.scores:
-            if s.name == name:
-                return s
-        raise KeyError(f"{self.protocol} has no score {name!r}; it has {[s.name for s in self.scores]}")
-
-    def to_dict(self) -> dict[str, Any]:
-        return {
-            "protocol": self.protocol, "shots": self.shots, "num_questions": self.num_questions,
-            "seed": self.seed, "accuracy": self.accuracy, "invalid_rate": self.invalid_rate,
-            "percent": self.percent, "reported_accuracy": self.reported_accuracy,
-            "latency_s": self.latency_s, "completion_tokens": self.completion_tokens,
-            "output_throughput": self.output_throughput, "golds": list(self.golds),
-            "scores": [s.to_dict() for s in self.scores],
-        }
 
 
 # ---------------------------------------------------------------------------------------------------------

@@ -17,22 +17,13 @@ import torch
 from npuport.checksums import listing_checksum, sha256_file
 from npuport.devices import pick_device
 from npuport.errors import NpuportError
+from npuport.runtime.completion import MAX_TOP_LOGPROBS, CompletionBatch
 from npuport.runtime.generate import AcceptanceStats
+from npuport.runtime.selftest.run import implementations_record
+from npuport.runtime.text_completions import RuntimeBatch, RuntimeCompletions
 from npuport.runtime.textgen import load_tokenizer
-from npuport.runtime.validation.completions import RuntimeBatch, RuntimeCompletions
-from npuport.runtime.validation.endpoint import (
-    CompletionsEndpoint,
-    EndpointBatch,
-    EndpointCompletion,
-    EndpointGivenUp,
-    served_models,
-)
-from npuport.runtime.validation.endpoint_fidelity import (
-    DEFAULT_TOP_K,
-    EndpointLogprobs,
-    RuntimeLogprobs,
-    logprob_fidelity,
-)
+from npuport.runtime.validation.endpoint import served_models
+from npuport.runtime.validation.endpoint_fidelity import DEFAULT_TOP_K, logprob_fidelity
 from npuport.runtime.validation.fidelity import measure_fidelity
 from npuport.runtime.validation.gates import (
     DEFAULT_MAX_ACCURACY_DROP,
@@ -45,20 +36,12 @@ from npuport.runtime.validation.gsm8k import (
     LM_EVAL_SEED,
     MAX_NEW_TOKENS,
     GSM8KProtocol,
-    GSM8KResult,
     make_protocol,
 )
-from npuport.runtime.validation.openai_api import MAX_TOP_LOGPROBS
-from npuport.runtime.validation.report import (
-    AccuracyRow,
-    FailedQuestions,
-    Gate,
-    MTPAcceptance,
-    ReportFiles,
-    ThroughputRun,
-    ValidationReport,
-    write_report,
-)
+from npuport.runtime.validation.gsm8k_results import GSM8KResult
+from npuport.runtime.validation.report import AccuracyRow, Gate, MTPAcceptance, ThroughputRun, ValidationReport
+from npuport.runtime.validation.report_files import ReportFiles, write_report
+from npuport.runtime.validation.runners import EndpointRunner, Runner, RuntimeRunner
 from npuport.runtime.validation.throughput import measure_throughput
 
 COMPLETIONS_NAME = "completions.jsonl"
@@ -102,6 +85,7 @@ class ValidateOptions:
     reference_endpoint: str | None = None  # the reference on a server instead of `reference` in the runtime
     reference_endpoint_model: str | None = None  # None: the one model the server lists
     fidelity_top_k: int = DEFAULT_TOP_K  # log-probabilities per position asked of a server for fidelity
+    dispatch: str | None = None  # MoE dispatch in the built-in runtime (run_options.DISPATCH_CHOICES); None: default
 
     def check(self) -> None:
         """Refuse combinations that cannot be measured, before anything is loaded."""
@@ -170,44 +154,12 @@ def _progress(label: str, total: int, log: Log) -> Callable[[int], None]:
     return report
 
 
-def answer_row(question: int, answer: EndpointCompletion) -> dict[str, Any]:
-    """One line of answers.jsonl: the question number and the raw answer, or the error that ended it."""
-    if answer.error is not None:
-        return {"question": question, "error": answer.error}
-    return {"question": question, "text": answer.text, "completion_tokens": answer.completion_tokens,
-            "finish_reason": answer.finish_reason}
-
-
-def complete_on_endpoint(endpoint: CompletionsEndpoint, protocol: GSM8KProtocol, prompts: Sequence[str],
-                         answers: Path, progress: Callable[[int], None]) -> EndpointBatch:
-    """The endpoint's completions, each appended to `answers` (one JSON line, flushed) as it arrives, so that a
-    crash or a lost server loses nothing already answered. When the endpoint is given up, the one-line error
-    says where the answers received are."""
-    answers.parent.mkdir(parents=True, exist_ok=True)
-    with open(answers, "w", encoding="utf-8") as f:
-        def keep(question: int, answer: EndpointCompletion) -> None:
-            f.write(json.dumps(answer_row(question, answer)) + "\n")
-            f.flush()
-
-        try:
-            return endpoint.complete(prompts, max_tokens=protocol.max_new_tokens, stop=protocol.stop,
-                                     progress=progress, on_answer=keep)
-        except EndpointGivenUp as e:
-            raise EndpointGivenUp(f"{e}; what ended is in {answers}", e.answered) from None
-
-
-def run_gsm8k(runner: RuntimeCompletions | CompletionsEndpoint, protocol: GSM8KProtocol, prompts: Sequence[str],
-              label: str, log: Log, answers: Path | None = None) -> tuple[GSM8KResult, EndpointBatch]:
-    """Complete and score the prompts; the batch carries the texts, token counts and latency. On an endpoint
-    the answers are also written to `answers` as they arrive; a failed question is scored as its empty text."""
+def run_gsm8k(runner: Runner, protocol: GSM8KProtocol, prompts: Sequence[str], label: str, log: Log,
+              answers: Path) -> tuple[GSM8KResult, CompletionBatch]:
+    """Complete and score the prompts; the batch carries the texts, token counts and latency. A runner whose
+    answers arrive one by one writes them to `answers` as they do; a failed question is scored as its empty text."""
     log(f"{label}: GSM8K {protocol.name}, {len(prompts)} questions, up to {protocol.max_new_tokens} new tokens")
-    progress = _progress(label, len(prompts), log)
-    if isinstance(runner, CompletionsEndpoint):
-        if answers is None:
-            raise ValueError("an endpoint run writes its answers as they arrive: give `answers`")
-        batch = complete_on_endpoint(runner, protocol, prompts, answers, progress)
-    else:
-        batch = runner.complete(prompts, max_tokens=protocol.max_new_tokens, stop=protocol.stop, progress=progress)
+    batch = runner.complete_questions(protocol, prompts, answers, _progress(label, len(prompts), log))
     if batch.failures:
         log(f"{label}: {len(batch.failures)} of {len(prompts)} question(s) FAILED (scored as wrong): "
             f"{', '.join(map(str, sorted(batch.failures)))}")
@@ -228,6 +180,15 @@ def acceptance_figures(stats: AcceptanceStats) -> MTPAcceptance:
 THROUGHPUT_REPEATS = 3
 
 
+def implementations_setting(device: torch.device) -> str:
+    """Which implementation ran each operator on `device` (torch_npu's native operator, Triton, or the PyTorch
+    reference) and the operators the self-test switched to their references, with why."""
+    record = implementations_record(device)
+    text = ", ".join(f"{op} {impl}" for op, impl in record["implementations"].items())
+    fallen = "; ".join(f"{op}: {why}" for op, why in record["fallen_back"].items())
+    return text + (f" (switched to the reference by the self-test: {fallen})" if fallen else "")
+
+
 def throughput_runs(runner: RuntimeCompletions, prompts: Sequence[Sequence[int]], new_tokens: int, mtp: int,
                     label: str, log: Log) -> list[ThroughputRun]:
     """The runner's model on one batch, without MTP and (when mtp > 0) with it."""
@@ -235,7 +196,7 @@ def throughput_runs(runner: RuntimeCompletions, prompts: Sequence[Sequence[int]]
     for k in sorted({0, mtp}):
         name = label if k == 0 else f"{label} + MTP k={k}"
         run = measure_throughput(runner.model, prompts, new_tokens, mtp=k, label=name, repeats=THROUGHPUT_REPEATS,
-                                 invariant=runner.invariant)
+                                 invariant=runner.options.invariant)
         runs.append(run)
         decode = (f"decode {run.decode_tokens_per_s:.1f} tok/s, {run.time_per_output_token_ms:.2f} ms per output token"
                   if run.decode_tokens_per_s is not None else "decode not measurable (noise above the decode time)")
@@ -243,7 +204,7 @@ def throughput_runs(runner: RuntimeCompletions, prompts: Sequence[Sequence[int]]
     return runs
 
 
-def write_completions(path: Path, rows: Sequence[tuple[str, GSM8KResult, EndpointBatch]]) -> Path:
+def write_completions(path: Path, rows: Sequence[tuple[str, GSM8KResult, CompletionBatch]]) -> Path:
     """One JSON line per model and question: the text scored, its prediction and verdict, tokens, finish, and
     for a question that got no usable answer its error."""
     with open(path, "w", encoding="utf-8") as f:
@@ -262,24 +223,54 @@ def write_completions(path: Path, rows: Sequence[tuple[str, GSM8KResult, Endpoin
 # ---------------------------------------------------------------------------------------------------------
 
 
-def _candidate_runner(opts: ValidateOptions, device: torch.device,
-                      log: Log) -> tuple[RuntimeCompletions | CompletionsEndpoint, Any, str]:
-    """The artifact's runner (an endpoint client or the runtime), the tokenizer for chat prompts, a description."""
+def _candidate_runner(opts: ValidateOptions, device: torch.device, log: Log) -> tuple[Runner, Any, str]:
+    """The artifact's runner (a server or the runtime), the tokenizer for chat prompts, a description."""
     if opts.endpoint is not None:
-        client = CompletionsEndpoint(opts.endpoint, opts.endpoint_model or str(opts.artifact),
-                                     parallel=opts.parallel, timeout_s=opts.timeout_s, retries=opts.retries)
+        client = EndpointRunner(opts.endpoint, opts.endpoint_model or str(opts.artifact), parallel=opts.parallel,
+                                timeout_s=opts.timeout_s, retries=opts.retries)
         return (client, load_tokenizer(opts.artifact),
                 f"endpoint {client.url} (model {client.model}, {opts.parallel} in parallel)")
     log(f"loading {opts.artifact} on {device}")
-    runtime = RuntimeCompletions.load(opts.artifact, device=device, dtype=opts.dtype, batch_size=opts.batch_size,
-                                      mtp=opts.mtp, invariant=opts.batch_invariant)
+    runtime = RuntimeRunner.load(opts.artifact, device=device, dtype=opts.dtype, batch_size=opts.batch_size,
+                                 mtp=opts.mtp, invariant=opts.batch_invariant, dispatch=opts.dispatch)
     return runtime, runtime.tokenizer, f"built-in runtime, batch size {opts.batch_size}, MTP k={opts.mtp}, {opts.dtype}"
+
+
+def _reference_runner(opts: ValidateOptions, device: torch.device, log: Log) -> tuple[Runner, str] | None:
+    """The reference - the BF16 source in the built-in runtime, a server, or none - and a description."""
+    if opts.reference is not None:
+        log(f"loading reference {opts.reference} on {device}")
+        reference = RuntimeRunner.load(opts.reference, device=device, dtype=opts.dtype, batch_size=opts.batch_size,
+                                       mtp=opts.mtp, invariant=opts.batch_invariant, dispatch=opts.dispatch)
+        return reference, str(opts.reference)
+    if opts.reference_endpoint is None:
+        return None
+    model = opts.reference_endpoint_model
+    if model is None:
+        listed = served_models(opts.reference_endpoint, timeout_s=opts.timeout_s)
+        if len(listed) != 1:
+            raise NpuportError(f"{opts.reference_endpoint} serves {len(listed)} models ({', '.join(listed) or 'none'}"
+                               "); name the reference with --reference-endpoint-model")
+        model = listed[0]
+    client = EndpointRunner(opts.reference_endpoint, model, parallel=opts.parallel, timeout_s=opts.timeout_s,
+                            retries=opts.retries)
+    return client, f"endpoint {client.url} (model {client.model})"
+
+
+def kernels_setting(invariant: bool, mtp: int) -> str:
+    """The report's line on the kernels the built-in runtime's decode and verify steps ran."""
+    if invariant:
+        return ("batch-invariant decode and verify steps (invariant GEMMs for the float linear layers and the "
+                "lm_head, MoE, attention and GDN launched for the largest verify step): MTP keeps greedy output")
+    return ("fast (vendor GEMMs and tiles by step size in decode and verify steps"
+            + ("; MTP may change greedy output: --batch-invariant)" if mtp else ")"))
 
 
 def _measure_on_runtime(report: ValidationReport, opts: ValidateOptions, candidate: RuntimeCompletions,
                         cand_batch: RuntimeBatch, reference: RuntimeCompletions | None,
                         ref_batch: RuntimeBatch | None, log: Log) -> None:
-    """What only the models themselves give: fidelity, throughput, MTP acceptance."""
+    """What only the models themselves give: fidelity, throughput, MTP acceptance (the batches are the
+    built-in runtime's, which carry token ids and acceptance)."""
     if reference is not None and ref_batch is not None:
         f = opts.fidelity_questions or len(cand_batch.prompt_ids)
         log(f"fidelity: {CANDIDATE_LABEL} against {REFERENCE_LABEL} on {min(f, len(cand_batch.prompt_ids))} prompts")
@@ -300,30 +291,8 @@ def _measure_on_runtime(report: ValidationReport, opts: ValidateOptions, candida
             report.mtp_reference = acceptance_figures(ref_batch.acceptance)
 
 
-def _reference_runner(opts: ValidateOptions, device: torch.device,
-                      log: Log) -> RuntimeCompletions | CompletionsEndpoint | None:
-    """The reference: the BF16 source in the built-in runtime, a server, or none."""
-    if opts.reference is not None:
-        log(f"loading reference {opts.reference} on {device}")
-        return RuntimeCompletions.load(opts.reference, device=device, dtype=opts.dtype, batch_size=opts.batch_size,
-                                       mtp=opts.mtp, invariant=opts.batch_invariant)
-    if opts.reference_endpoint is None:
-        return None
-    model = opts.reference_endpoint_model
-    if model is None:
-        listed = served_models(opts.reference_endpoint, timeout_s=opts.timeout_s)
-        if len(listed) != 1:
-            raise NpuportError(f"{opts.reference_endpoint} serves {len(listed)} models ({', '.join(listed) or 'none'}"
-                               "); name the reference with --reference-endpoint-model")
-        model = listed[0]
-    return CompletionsEndpoint(opts.reference_endpoint, model, parallel=opts.parallel, timeout_s=opts.timeout_s,
-                               retries=opts.retries)
-
-
-def _measure_by_logprobs(report: ValidationReport, opts: ValidateOptions,
-                         candidate: RuntimeCompletions | CompletionsEndpoint,
-                         reference: RuntimeCompletions | CompletionsEndpoint, tokenizer: Any,
-                         prompts: Sequence[str], protocol: GSM8KProtocol, log: Log) -> None:
+def _measure_by_logprobs(report: ValidationReport, opts: ValidateOptions, candidate: Runner, reference: Runner,
+                         tokenizer: Any, prompts: Sequence[str], protocol: GSM8KProtocol, log: Log) -> None:
     """Fidelity where a side is a server: from log-probabilities (endpoint_fidelity.py), on the first
     fidelity_questions prompts, tokenized by the artifact's tokenizer."""
     if tokenizer is None:
@@ -332,18 +301,25 @@ def _measure_by_logprobs(report: ValidationReport, opts: ValidateOptions,
     f = min(opts.fidelity_questions or len(prompts), len(prompts))
     log(f"fidelity: {CANDIDATE_LABEL} against {REFERENCE_LABEL} on {f} prompts, from top-{opts.fidelity_top_k} "
         "log-probabilities")
-
-    def source(runner: RuntimeCompletions | CompletionsEndpoint) -> EndpointLogprobs | RuntimeLogprobs:
-        return RuntimeLogprobs(runner) if isinstance(runner, RuntimeCompletions) else EndpointLogprobs(runner)
-
     ids = [list(tokenizer.encode(p)) for p in prompts[:f]]
-    measured = logprob_fidelity(source(candidate), source(reference), ids, protocol.max_new_tokens, protocol.stop,
-                                opts.fidelity_top_k)
+    measured = logprob_fidelity(candidate.logprob_source(), reference.logprob_source(), ids, protocol.max_new_tokens,
+                                protocol.stop, opts.fidelity_top_k)
     report.fidelity = measured.fidelity
     report.settings["fidelity"] = (
         f"from top-{opts.fidelity_top_k} log-probabilities ({measured.fidelity.kl_method}); the estimate's bias "
         "against the full-vocabulary KL is what validate reports beside it when both models run in the built-in "
         "runtime")
+
+
+@dataclass(frozen=True)
+class _ModelRun:
+    """One model's GSM8K run: its label, its runner, what it answered and how that scored, where its answers went."""
+
+    label: str
+    runner: Runner
+    answers: Path
+    result: GSM8KResult
+    batch: CompletionBatch
 
 
 def run_validation(options: ValidateOptions, out_dir: Path | str, log: Log = print) -> ValidationOutcome:
@@ -366,55 +342,46 @@ def run_validation(options: ValidateOptions, out_dir: Path | str, log: Log = pri
         "max_new_tokens": opts.max_new_tokens, "stop": list(protocol.stop),
         "data": str(opts.data) if opts.data is not None else "GSM8K test split shipped with npuport"}
 
-    answers = Path(out_dir) / ANSWERS_NAME
-    cand_result, cand_batch = run_gsm8k(candidate, protocol, prompts, CANDIDATE_LABEL, log, answers)
-    completions = [(CANDIDATE_LABEL, cand_result, cand_batch)]
-    row = AccuracyRow(cand_result)
-    reference = _reference_runner(opts, device, log)
-    ref_batch = None
-    if reference is not None:
-        ref_result, ref_batch = run_gsm8k(reference, protocol, prompts, REFERENCE_LABEL, log,
-                                          Path(out_dir) / REFERENCE_ANSWERS_NAME)
-        completions.append((REFERENCE_LABEL, ref_result, ref_batch))
-        row = AccuracyRow.paired(cand_result, ref_result, seed=opts.seed)
-        settings["reference"] = (str(opts.reference) if opts.reference is not None
-                                 else f"endpoint {reference.url} (model {reference.model})")
+    def run(label: str, runner: Runner, answers_name: str) -> _ModelRun:
+        answers = Path(out_dir) / answers_name
+        return _ModelRun(label, runner, answers, *run_gsm8k(runner, protocol, prompts, label, log, answers))
 
-    local = isinstance(candidate, RuntimeCompletions)
-    ref_local = isinstance(reference, RuntimeCompletions)
+    runs = [run(CANDIDATE_LABEL, candidate, ANSWERS_NAME)]
+    row = AccuracyRow(runs[0].result)
+    reference_and_text = _reference_runner(opts, device, log)
+    if reference_and_text is not None:
+        reference, settings["reference"] = reference_and_text
+        runs.append(run(REFERENCE_LABEL, reference, REFERENCE_ANSWERS_NAME))
+        row = AccuracyRow.paired(runs[0].result, runs[1].result, seed=opts.seed)
+
+    local = [r.runner.in_process for r in runs]
     device_text = describe_device(device)
-    if local:
-        settings["kernels"] = (
-            "batch-invariant decode and verify steps (invariant GEMMs for the float linear layers and the lm_head, "
-            "MoE, attention and GDN launched for the largest verify step): MTP keeps greedy output"
-            if candidate.invariant else "fast (vendor GEMMs and tiles by step size in decode and verify steps"
-            + ("; MTP may change greedy output: --batch-invariant)" if opts.mtp else ")"))
-    if local and candidate.model.parallel.active:
-        device_text += f" x {candidate.model.parallel.world} (tensor + expert parallel)"
-    if not local:
-        device_text = f"endpoint {candidate.url}" + (f"; reference on {device_text}" if ref_local else "")
-    if isinstance(reference, CompletionsEndpoint):
-        device_text += f"; reference on endpoint {reference.url}"
-    report = ValidationReport(artifact=str(opts.artifact), device=device_text, seed=opts.seed,
+    where = candidate.where(device_text)
+    if len(runs) > 1 and None in local:
+        where += f"; reference on {runs[1].runner.where(device_text)}"
+    report = ValidationReport(artifact=str(opts.artifact), device=where, seed=opts.seed,
                               candidate_label=CANDIDATE_LABEL, reference_label=REFERENCE_LABEL, accuracy=[row],
                               settings=settings)
-    if local or ref_local:
+    if any(model is not None for model in local):
         report.dtypes = {"float tensors and activations": opts.dtype,
                          "quantized linears": "int8 weights per channel x int8 activations per token"}
-    if local:
-        _measure_on_runtime(report, opts, candidate, cand_batch, reference if ref_local else None,
-                            ref_batch if ref_local else None, log)
-    for label, runner, batch in ((CANDIDATE_LABEL, candidate, cand_batch), (REFERENCE_LABEL, reference, ref_batch)):
-        if isinstance(runner, CompletionsEndpoint):
-            failed = FailedQuestions(label, n, batch.failures)
+    if local[0] is not None:
+        settings["kernels"] = kernels_setting(local[0].options.invariant, opts.mtp)
+        settings["implementations"] = implementations_setting(local[0].model.device)
+        ref_local = local[1] if len(runs) > 1 else None
+        _measure_on_runtime(report, opts, local[0], runs[0].batch, ref_local,
+                            runs[1].batch if ref_local is not None else None, log)
+    for r in runs:
+        failed = r.runner.failed_questions(r.label, r.batch)
+        if failed is not None:
             report.failed_questions.append(failed)
             report.gates.append(answered_gate(failed))
-    if not local or isinstance(reference, CompletionsEndpoint):
+    served = [r for r in runs if r.runner.in_process is None]
+    if served:
         settings["answers"] = "each endpoint answer, or its error, as it arrived: " + ", ".join(
-            name for name, r in ((ANSWERS_NAME, candidate), (REFERENCE_ANSWERS_NAME, reference))
-            if isinstance(r, CompletionsEndpoint))
-        if reference is not None:
-            _measure_by_logprobs(report, opts, candidate, reference, tokenizer, prompts, protocol, log)
+            r.answers.name for r in served)
+        if len(runs) > 1:
+            _measure_by_logprobs(report, opts, candidate, runs[1].runner, tokenizer, prompts, protocol, log)
 
     if row.reference is not None and opts.max_accuracy_drop is not None:
         report.gates.append(accuracy_drop_gate(row, opts.max_accuracy_drop, CANDIDATE_LABEL, REFERENCE_LABEL))
@@ -425,4 +392,5 @@ def run_validation(options: ValidateOptions, out_dir: Path | str, log: Log = pri
     report.artifact_checksum = artifact_checksum(opts.artifact)
     settings["artifact_checksum"] = CHECKSUM_METHOD
     files = write_report(report, out_dir)
+    completions = [(r.label, r.result, r.batch) for r in runs]
     return ValidationOutcome(report, files, write_completions(files.json.parent / COMPLETIONS_NAME, completions))

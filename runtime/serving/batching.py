@@ -28,13 +28,12 @@ from collections.abc import Callable, Sequence
 from concurrent.futures import Future
 from dataclasses import dataclass, field
 
+from npuport.runtime.completion import CANCELLED, Completion
 from npuport.runtime.sampling import SamplingParams
-from npuport.runtime.validation.completions import RuntimeCompletions, TextRequest, TextResult
-from npuport.runtime.validation.endpoint import EndpointCompletion
-from npuport.runtime.validation.logprobs import PositionLogprobs
+from npuport.runtime.text_completions import RuntimeCompletions, TextRequest, TextResult
+from npuport.runtime.token_logprobs import PositionLogprobs
 
 ROUND_TOKENS = 256  # tokens a call's rows make before it gives way to a request waiting (a newcomer's longest wait)
-CANCELLED = "cancelled"  # the finish reason of a row whose client went away
 _SOLO = itertools.count()  # makes every seeded request's batch key unique
 
 
@@ -163,8 +162,8 @@ class RequestBatcher:
         for job in [job for job in self._line if job.cancelled]:
             for i in job.waiting:
                 generated = list(job.next_requests[i].generated)
-                job.results[i] = TextResult(EndpointCompletion(self.runner.decode(generated), len(generated),
-                                                               CANCELLED), generated)
+                job.results[i] = TextResult(Completion(self.runner.decode(generated), len(generated), CANCELLED),
+                                            generated)
             job.waiting.clear()
             self._line.remove(job)
             if job.ended:

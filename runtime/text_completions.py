@@ -1,6 +1,7 @@
 """Text completions on the built-in runtime as an OpenAI-compatible server returns them: prompts through the
 model folder's tokenizer, batched generation (each request with its own limit and stop strings), the decoded text
-cut at the first stop string, and the log-probabilities of prompt and completion tokens."""
+cut at the first stop string, and the log-probabilities of prompt and completion tokens. What the validator drives
+(runtime.validation) and the server serves (runtime.serving)."""
 
 from __future__ import annotations
 
@@ -13,42 +14,38 @@ import torch
 
 from npuport.errors import NpuportError
 from npuport.jsonfile import read_json_object
-from npuport.runtime.generate import AcceptanceStats, TokenSink, generate, use_invariance
+from npuport.runtime.completion import LENGTH, STOP, Completion, CompletionBatch, cut_at_stop, holds_stop
+from npuport.runtime.generate import AcceptanceStats, TokenSink, generate
 from npuport.runtime.loader import load_model
 from npuport.runtime.model import Qwen35
+from npuport.runtime.run_options import run_options
 from npuport.runtime.sampling import SamplingParams
 from npuport.runtime.textgen import DTYPES, load_tokenizer, stop_token_ids
-from npuport.runtime.validation.endpoint import EndpointBatch, EndpointCompletion
-from npuport.runtime.validation.gsm8k import cut_at_stop
-from npuport.runtime.validation.logprobs import PositionLogprobs, sequence_logprobs
+from npuport.runtime.token_logprobs import PositionLogprobs, sequence_logprobs
 
 Decode = Callable[[Sequence[int]], str]
 Interruption = Callable[[int, int], bool]  # (row, tokens this call made for it) -> end it now, unfinished
 
 
-def _holds_stop(text: str, stop: Sequence[str]) -> bool:
-    return any(s in text for s in stop)
-
-
 def finish_completion(tokens: Sequence[int], decode: Decode, stop: Sequence[str],
-                      stop_tokens: frozenset[int]) -> EndpointCompletion:
+                      stop_tokens: frozenset[int]) -> Completion:
     """The completion a server that checks stop strings after every token returns for the generated `tokens`:
     it stops at the fewest tokens whose decoded text holds a stop string and answers that text cut before
     its earliest stop string (finish "stop"); without a stop string, all of the text, finish "stop" when the
     last token is a stop token (EOS) and "length" otherwise. `completion_tokens` counts the tokens it
     generated. Found by bisection: the text of a prefix of the tokens is a prefix of the text."""
     text = decode(tokens)
-    if not _holds_stop(text, stop):
-        reason = "stop" if tokens and tokens[-1] in stop_tokens else "length"
-        return EndpointCompletion(text, len(tokens), reason)
+    if not holds_stop(text, stop):
+        reason = STOP if tokens and tokens[-1] in stop_tokens else LENGTH
+        return Completion(text, len(tokens), reason)
     low, high = 1, len(tokens)  # the fewest tokens holding a stop string lie in [low, high]
     while low < high:
         mid = (low + high) // 2
-        if _holds_stop(decode(tokens[:mid]), stop):
+        if holds_stop(decode(tokens[:mid]), stop):
             high = mid
         else:
             low = mid + 1
-    return EndpointCompletion(cut_at_stop(decode(tokens[:low]), stop), low, "stop")
+    return Completion(cut_at_stop(decode(tokens[:low]), stop), low, STOP)
 
 
 def context_tokens_of(path: Path) -> int | None:
@@ -102,13 +99,13 @@ class TextResult:
     row interrupted before it finished) and every token it generated (a few more than the text took where a stop
     string ended it)."""
 
-    completion: EndpointCompletion
+    completion: Completion
     token_ids: list[int]
 
 
 @dataclass(frozen=True)
-class RuntimeBatch(EndpointBatch):
-    """What EndpointBatch holds, plus what only the runtime knows: each prompt's token ids, every generated
+class RuntimeBatch(CompletionBatch):
+    """What CompletionBatch holds, plus what only the runtime knows: each prompt's token ids, every generated
     token (before stop strings cut the text) and the MTP acceptance statistics (None without MTP)."""
 
     prompt_ids: list[list[int]]
@@ -118,28 +115,29 @@ class RuntimeBatch(EndpointBatch):
 
 class RuntimeCompletions:
     """Completes text prompts with a loaded model: `batch_size` prompts per `generate` call, in order, with
-    `mtp` draft tokens per round (0: plain decoding). The same `complete` signature as CompletionsEndpoint,
-    so a GSM8K run does not care which one it drives. `context_tokens`: the model's context (None: unknown),
-    for callers that bound prompt + max_tokens by it. invariant: batch-invariant steps (generate's; None: its
-    default)."""
+    `mtp` draft tokens per round (0: plain decoding) - `complete`, as a GSM8K run asks - or rows of one generate
+    call that may be interrupted and resumed - `run`, as a server's batcher asks. `context_tokens`: the model's
+    context (None: unknown), for callers that bound prompt + max_tokens by it. invariant: batch-invariant steps
+    (generate's; None: its default)."""
 
     def __init__(self, model: Qwen35, tokenizer, stop_tokens: Sequence[int] = (), *, batch_size: int = 1,
-                 mtp: int = 0, context_tokens: int | None = None, invariant: bool | None = None) -> None:
+                 mtp: int = 0, context_tokens: int | None = None, invariant: bool | None = None,
+                 dispatch: str | None = None) -> None:
         if batch_size < 1:
             raise NpuportError(f"batch size must be at least 1, got {batch_size}")
         self.model = model
         self.tokenizer = tokenizer
         self.stop_tokens = frozenset(stop_tokens)
         self.batch_size = batch_size
-        self.mtp = mtp
         self.context_tokens = context_tokens
         # resolved once, for calls with and without MTP alike (their outputs compare); every rank is told
-        self.invariant = use_invariance(model, invariant, mtp)
+        self.options = run_options(model, mtp, invariant=invariant, dispatch=dispatch)
         only_reads(tokenizer)
 
     @classmethod
     def load(cls, path: Path | str, *, device: torch.device | str | None = None, dtype: str = "bfloat16",
-             batch_size: int = 1, mtp: int = 0, invariant: bool | None = None) -> RuntimeCompletions:
+             batch_size: int = 1, mtp: int = 0, invariant: bool | None = None, dispatch: str | None = None
+             ) -> RuntimeCompletions:
         """The model folder `path` (BF16 source or W8A8 artifact) with its own tokenizer and EOS ids."""
         path = Path(path)
         if dtype not in DTYPES:
@@ -150,7 +148,7 @@ class RuntimeCompletions:
                                "need one")
         model = load_model(path, device, DTYPES[dtype])
         return cls(model, tokenizer, stop_token_ids(path), batch_size=batch_size, mtp=mtp,
-                   context_tokens=context_tokens_of(path), invariant=invariant)
+                   context_tokens=context_tokens_of(path), invariant=invariant, dispatch=dispatch)
 
     @property
     def vocab_size(self) -> int:
@@ -187,7 +185,7 @@ class RuntimeCompletions:
 
         def should_stop(row: int, tokens: list[int]) -> bool:
             request = requests[row]
-            if request.stop and _holds_stop(self.decode([*request.generated, *tokens]), request.stop):
+            if request.stop and holds_stop(self.decode([*request.generated, *tokens]), request.stop):
                 return True
             if interrupted is not None and interrupted(row, len(tokens)):
                 stopped.add(row)
@@ -196,15 +194,15 @@ class RuntimeCompletions:
 
         def on_finish(row: int, new: list[int], _reason: str) -> None:
             tokens = [*requests[row].generated, *new]
-            results[row] = (TextResult(EndpointCompletion(self.decode(tokens), len(tokens), None), tokens)
+            results[row] = (TextResult(Completion(self.decode(tokens), len(tokens), None), tokens)
                             if row in stopped else self.finish(requests[row], tokens))
             if on_done is not None:
                 on_done(row, results[row])
 
         checks = any(r.stop for r in requests) or interrupted is not None
         stats = generate(self.model, [[*r.prompt_ids, *r.generated] for r in requests],
-                         [r.max_tokens - len(r.generated) for r in requests], mtp=self.mtp, sampling=sampling,
-                         stop_tokens=self.stop_tokens, invariant=self.invariant,
+                         [r.max_tokens - len(r.generated) for r in requests], self.options, sampling=sampling,
+                         stop_tokens=self.stop_tokens,
                          should_stop=should_stop if checks else None, on_tokens=on_tokens,
                          on_finish=on_finish).stats
         return results, stats

@@ -1,7 +1,7 @@
 """What `npuport serve` does with a request between its body and its answer: prompts tokenized (chat messages
 through the model's chat template) and checked against the model's context and vocabulary, rows - a prompt x n -
 handed to the batcher, and the rows' results put together as the OpenAI objects, whole or as stream chunks
-written as they come. No HTTP here: serve.py reads bodies and writes bytes, and tells whether its client is still
+written as they come. No HTTP here: http_handler.py reads bodies and writes bytes, and tells whether its client is
 there (`client_gone`, e.g. `peer_closed` of the connection) - a request whose client left is cancelled.
 
 A text prompt is refused by its size before it is tokenized (its tokens cannot be counted without tokenizing it,
@@ -19,27 +19,29 @@ from dataclasses import dataclass
 from http import HTTPStatus
 
 from npuport.errors import NpuportError
-from npuport.runtime.validation.batching import Job, LogprobSpec, RequestBatcher, RowAnswer
-from npuport.runtime.validation.completions import RuntimeCompletions, TextRequest
-from npuport.runtime.validation.gsm8k import render_chat_prompt
-from npuport.runtime.validation.openai_api import (
+from npuport.runtime.chat_prompt import render_chat_prompt
+from npuport.runtime.serving.api_answers import (
     Answer,
-    ChatRequest,
     ChunkMaker,
-    CompletionRequest,
-    Generation,
-    RequestError,
     StreamedText,
     chat_logprobs,
     chat_object,
-    check_context,
-    check_prompt_tokens,
     completion_logprobs,
     completion_object,
     sse,
     token_texter,
     with_first_token,
 )
+from npuport.runtime.serving.api_requests import (
+    ChatRequest,
+    CompletionRequest,
+    Generation,
+    RequestError,
+    check_context,
+    check_prompt_tokens,
+)
+from npuport.runtime.serving.batching import Job, LogprobSpec, RequestBatcher, RowAnswer
+from npuport.runtime.text_completions import RuntimeCompletions, TextRequest
 
 Write = Callable[[bytes], None]
 ClientGone = Callable[[], bool]  # whether the client of a request has gone away
@@ -48,6 +50,16 @@ CLIENT_CHECK_S = 0.25  # seconds between two looks at whether the client of a re
 # refused untokenized: text averages about 4 bytes a token; 16 leaves room for text of long tokens (indentation,
 # rules of dashes), while 15 MB of text, which took 22 s and 2.6 GB to tokenize, is refused at once.
 PROMPT_BYTES_PER_TOKEN = 16
+
+
+class RequestCancelled(ConnectionAbortedError):
+    """The client of a request went away (or stopped reading its answer) while it was served: its rows are
+    cancelled - they end with finish reason CANCELLED - and nothing more is written to it. `reason`: what the
+    client did, for the log."""
+
+    def __init__(self, reason: str = "the client went away") -> None:
+        super().__init__(f"{reason}; its request is cancelled")
+        self.reason = reason
 
 
 def peer_closed(connection: socket.socket) -> bool:
@@ -146,13 +158,13 @@ class OpenAIService:
 
     def answer(self, prepared: Prepared, client_gone: ClientGone | None = None) -> dict:
         """The whole answer object, once every row is done. While it waits, client_gone() is asked every
-        CLIENT_CHECK_S: once True, the rows are cancelled and ConnectionAbortedError raised."""
+        CLIENT_CHECK_S: once True, the rows are cancelled and RequestCancelled raised."""
         job = self._job(prepared)
         future = self.batcher.submit(job)
         while client_gone is not None and not futures.wait([future], CLIENT_CHECK_S).done:
             if client_gone():
                 job.cancel()
-                raise ConnectionAbortedError("the client went away; its request is cancelled")
+                raise RequestCancelled
         rows = future.result()
         answers = [self._answer(prepared, i, row) for i, row in enumerate(rows)]
         make = chat_object if prepared.chat else completion_object
@@ -176,27 +188,36 @@ class OpenAIService:
         """The answer as server-sent events, each row's text as it is generated, then each row's last piece
         with its finish reason, the usage (if asked for) and [DONE]. If writing fails, or client_gone() - asked
         every CLIENT_CHECK_S while nothing is written - says so, the client went away: the rows are cancelled
-        and the error raised (ConnectionAbortedError for client_gone). If the model fails, an error event ends the
-        stream and the error is raised, for the caller to report."""
+        and RequestCancelled raised. If the model fails, its error is raised, for the caller to end the stream
+        with an error event and report it."""
         events: queue.SimpleQueue[tuple[int, list[int]] | None] = queue.SimpleQueue()
         job = self._job(prepared, on_tokens=lambda row, new: events.put((row, new)))
         future = self.batcher.submit(job)
         future.add_done_callback(lambda _: events.put(None))
         chunks = ChunkMaker(self.served_model, prepared.chat)
         texts = [StreamedText(self.runner.decode, prepared.generation.stop) for _ in job.rows]
+
+        def send(event: dict | str) -> None:
+            try:
+                write(sse(event))
+            except TimeoutError as e:
+                raise RequestCancelled("the client stopped reading its answer") from e
+            except ConnectionError as e:
+                raise RequestCancelled from e
+
         try:
             while (event := self._next_event(events, client_gone)) is not None:
                 row, new = event
                 if delta := texts[row].add(new):
-                    write(sse(chunks.text(row, delta)))
+                    send(chunks.text(row, delta))
             rows = future.result()
             for row, (text, answer) in enumerate(zip(texts, rows, strict=True)):
-                write(sse(chunks.text(row, text.finish(answer.result.completion.text),
-                                      answer.result.completion.finish_reason)))
+                send(chunks.text(row, text.finish(answer.result.completion.text),
+                                 answer.result.completion.finish_reason))
             if prepared.generation.include_usage:
-                write(sse(chunks.usage(sum(map(len, prepared.prompt_ids)), _completion_tokens(rows))))
-            write(sse("[DONE]"))
-        except (ConnectionError, TimeoutError):
+                send(chunks.usage(sum(map(len, prepared.prompt_ids)), _completion_tokens(rows)))
+            send("[DONE]")
+        except RequestCancelled:
             job.cancel()
             raise
 
@@ -207,7 +228,7 @@ class OpenAIService:
                 return events.get(timeout=None if client_gone is None else CLIENT_CHECK_S)
             except queue.Empty:
                 if client_gone is not None and client_gone():
-                    raise ConnectionAbortedError("the client went away; its request is cancelled") from None
+                    raise RequestCancelled from None
 
 
 def _completion_tokens(rows: Sequence[RowAnswer]) -> int:

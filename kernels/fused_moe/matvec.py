@@ -1,8 +1,11 @@
-"""The expert MLP for few tokens (decode, verify, small batches), where grouping rows by expert costs more
-than it saves: one program per (routed pair, column tile) for gate/up, one per (token, column tile) for the
-down projection, which also sums the token's top-k slots in slot order - no sort, no padding, no atomics,
-and each token's result independent of the others in the batch. A MoE layer's shared expert can ride along as
-one more slot after the routed ones (shares_layout): no launches of its own."""
+"""The matvec path of the MoE experts, for few routed pairs (decode, verify, small batches), where grouping rows by
+expert costs more than it saves: one program per (routed pair, column tile) for gate/up, one per (token, column
+tile) for the down projection, which also sums the token's top-k slots in slot order - no sort, no padding, no
+atomics, and each token's result independent of the others in the batch. A MoE layer's shared expert can ride
+along as one more slot after the routed ones (experts.shares_layout): no launches of its own.
+
+The kernels read each operand's kind from its pointer's type (int8 or float weights, int8 tokens or float ones
+to quantize here) and whether an optional operand was given from None: no flags beside the tensors."""
 
 from __future__ import annotations
 
@@ -16,9 +19,9 @@ from npuport.kernels.w8a8.quantize import to_int8_values, token_scale
 
 
 @dataclass(frozen=True)
-class FewTokensConfig:
-    """Column tiles of the two mat-vec kernels, their K step and warps: weights stream in [BN, BK] tiles of
-    contiguous rows through the CUDA cores."""
+class MatvecConfig:
+    """Column tiles of the two matvec kernels, their K step and warps: weights stream in [BN, BK] tiles of
+    contiguous rows through the CUDA cores. The defaults: a GPU's tiles for more than 16 routed pairs."""
 
     gate_up_bn: int = 32
     down_bn: int = 8
@@ -27,10 +30,7 @@ class FewTokensConfig:
     num_stages: int = 3
 
 
-FEW_TOKENS = FewTokensConfig()
-
-
-def few_tokens_config(pairs: int, device: torch.device | None = None) -> FewTokensConfig:
+def matvec_config(pairs: int, device: torch.device | None = None) -> MatvecConfig:
     """Measured on an H100 at the 35B-A3B widths (bench/moe.py --sweep, bench/RESULTS.md, run P2): with up to 16
     routed pairs (batch 1-2 at top-8) [4, 512] weight tiles on both kernels stream best - one token's 8 experts in
     24.9 us against 27.4 for [16, 512] (BF16; W8A8 21.7 against 24.4), a lone shared expert in 7.1 us against
@@ -39,24 +39,23 @@ def few_tokens_config(pairs: int, device: torch.device | None = None) -> FewToke
     None: the GPU's tiles, which the interpreter runs too) takes [8, 512] on both, unmeasured: two [32, 512] tiles
     and their fp32 products fill a 910B core's 192 KiB unified buffer, twice over with multi-buffering."""
     if device is not None and is_npu(device):
-        return FewTokensConfig(gate_up_bn=8, down_bn=8, bk=512)
+        return MatvecConfig(gate_up_bn=8, down_bn=8, bk=512)
     if pairs <= 16:
-        return FewTokensConfig(gate_up_bn=4, down_bn=4, bk=512)
-    return FEW_TOKENS
+        return MatvecConfig(gate_up_bn=4, down_bn=4, bk=512)
+    return MatvecConfig()
 
 
 @jit
-def _row_times_tile(a_row, w_rows, k0, K, n_ok, BK: tl.constexpr, INT8: tl.constexpr, QUANTIZE: tl.constexpr,
-                    a_scale):
-    """sum over k in [k0, k0 + BK) of a_row[k] * w_rows[n, k] -> [BN] (int32 for int8 weights, else fp32). With
-    int8 weights and QUANTIZE, a_row is float and each value is quantized with a_scale on the way in (the values
-    quantize_per_token_int8 would give with that scale)."""
+def _row_times_tile(a_row, w_rows, k0, K, n_ok, BK: tl.constexpr, a_scale):
+    """sum over k in [k0, k0 + BK) of a_row[k] * w_rows[n, k] -> [BN]: int32 for int8 weights, else fp32. A float
+    a_row into int8 weights is quantized with a_scale on the way in (the values quantize_per_token_int8 would give
+    with that scale)."""
     rk = k0 + tl.arange(0, BK)
     k_ok = rk < K
     x = tl.load(a_row + rk, mask=k_ok, other=0)
     w = tl.load(w_rows + rk[None, :], mask=n_ok[:, None] & k_ok[None, :], other=0)
-    if INT8:
-        if QUANTIZE:
+    if w_rows.dtype.element_ty == tl.int8:
+        if a_row.dtype.element_ty != tl.int8:
             x_int = to_int8_values(x.to(tl.float32), a_scale)
         else:
             x_int = x.to(tl.int32)
@@ -82,25 +81,25 @@ def _float_gate_up(a_row, gate_rows, up_rows, K, n_ok, BN: tl.constexpr, BK: tl.
     acc = tl.zeros([BN], dtype=tl.float32)
     acc_up = tl.zeros([BN], dtype=tl.float32)
     for k0 in range(0, K, BK):
-        acc += _row_times_tile(a_row, gate_rows, k0, K, n_ok, BK, False, False, 1.0)
-        acc_up += _row_times_tile(a_row, up_rows, k0, K, n_ok, BK, False, False, 1.0)
+        acc += _row_times_tile(a_row, gate_rows, k0, K, n_ok, BK, 1.0)
+        acc_up += _row_times_tile(a_row, up_rows, k0, K, n_ok, BK, 1.0)
     return acc.to(dt), acc_up.to(dt)
 
 
 @jit
 def _int8_gate_up(a_row, a_scale, token, gate_rows, up_rows, w_s, N, K, n_ok, BN: tl.constexpr, BK: tl.constexpr,
-                  QUANTIZE: tl.constexpr, dt):
-    """(gate, up) [BN] in dt of a row (int8 with its scale at a_scale[token], or float, quantized here when
-    QUANTIZE) through int8 weight rows with per-channel scales w_s (gate) and w_s + N (up)."""
-    if QUANTIZE:
+                  dt):
+    """(gate, up) [BN] in dt of a row (int8 with its scale at a_scale[token], or float, quantized here) through
+    int8 weight rows with per-channel scales w_s (gate) and w_s + N (up)."""
+    if a_row.dtype.element_ty != tl.int8:
         x_s = _row_scale(a_row, K, BK)
     else:
         x_s = tl.load(a_scale + token)
     acc = tl.zeros([BN], dtype=tl.int32)
     acc_up = tl.zeros([BN], dtype=tl.int32)
     for k0 in range(0, K, BK):
-        acc += _row_times_tile(a_row, gate_rows, k0, K, n_ok, BK, True, QUANTIZE, x_s)
-        acc_up += _row_times_tile(a_row, up_rows, k0, K, n_ok, BK, True, QUANTIZE, x_s)
+        acc += _row_times_tile(a_row, gate_rows, k0, K, n_ok, BK, x_s)
+        acc_up += _row_times_tile(a_row, up_rows, k0, K, n_ok, BK, x_s)
     gate = (acc.to(tl.float32) * x_s * tl.load(w_s, mask=n_ok, other=0.0)).to(dt)
     up = (acc_up.to(tl.float32) * x_s * tl.load(w_s + N, mask=n_ok, other=0.0)).to(dt)
     return gate, up
@@ -108,14 +107,13 @@ def _int8_gate_up(a_row, a_scale, token, gate_rows, up_rows, w_s, N, K, n_ok, BN
 
 @jit
 def _expert_gate_up(a_row, a_scale, token, w_e, w_scale_e, rn, N, K, sw_n, n_ok, BN: tl.constexpr, BK: tl.constexpr,
-                    INT8: tl.constexpr, QUANTIZE: tl.constexpr, dt):
+                    dt):
     """(gate, up) [BN] in dt of a row through one expert: its weight w_e [2N, K] (row stride sw_n; gate rows rn, up
     rows N + rn), int8 with per-channel scales w_scale_e [2N], or float (w_scale_e unused)."""
     gate_rows = w_e + rn[:, None].to(tl.int64) * sw_n
     up_rows = gate_rows + tl.cast(N, tl.int64) * sw_n
-    if INT8:
-        gate, up = _int8_gate_up(a_row, a_scale, token, gate_rows, up_rows, w_scale_e + rn, N, K, n_ok, BN, BK,
-                                 QUANTIZE, dt)
+    if w_e.dtype.element_ty == tl.int8:
+        gate, up = _int8_gate_up(a_row, a_scale, token, gate_rows, up_rows, w_scale_e + rn, N, K, n_ok, BN, BK, dt)
     else:
         gate, up = _float_gate_up(a_row, gate_rows, up_rows, K, n_ok, BN, BK, dt)
     return gate, up
@@ -123,31 +121,30 @@ def _expert_gate_up(a_row, a_scale, token, w_e, w_scale_e, rn, N, K, sw_n, n_ok,
 
 @jit
 def _routed_gate_up(a_row, a_scale, token, slot, expert_ids, w, w_scale, rn, N, K, TOP_K, sw_e, sw_n, sws_e, n_ok,
-                    BN: tl.constexpr, BK: tl.constexpr, INT8: tl.constexpr, QUANTIZE: tl.constexpr, dt):
+                    BN: tl.constexpr, BK: tl.constexpr, dt):
     """_expert_gate_up through the expert of routed slot `slot` of the token (expert_ids [M, TOP_K])."""
     expert = tl.load(expert_ids + token * TOP_K + slot).to(tl.int64)
-    if INT8:
+    if w.dtype.element_ty == tl.int8:
         w_scale_e = w_scale + expert * sws_e
     else:
         w_scale_e = w_scale
-    return _expert_gate_up(a_row, a_scale, token, w + expert * sw_e, w_scale_e, rn, N, K, sw_n, n_ok, BN, BK, INT8,
-                           QUANTIZE, dt)
+    return _expert_gate_up(a_row, a_scale, token, w + expert * sw_e, w_scale_e, rn, N, K, sw_n, n_ok, BN, BK, dt)
 
 
-# NPU budget (the NPU's tiles, few_tokens_config): two weight tiles [8, 512] (2 x 8 KiB bf16, 2 x 16 KiB fp32) and
-# their fp32 products (2 x 16 KiB).
+# NPU budget (the NPU's tiles, matvec_config): two weight tiles [8, 512] (2 x 8 KiB bf16, 2 x 16 KiB fp32) and their
+# fp32 products (2 x 16 KiB).
 @jit
-def _pair_gate_up_kernel(a, a_scale, w, w_scale, shared_w, shared_scale, expert_ids, out, N, K, TOP_K, n_tasks,
-                         sa_m, sw_e, sw_n, sws_e, so_m, BN: tl.constexpr, BK: tl.constexpr, INT8: tl.constexpr,
-                         SHARED: tl.constexpr, QUANTIZE: tl.constexpr, SHARED_FLOAT: tl.constexpr):
+def _matvec_gate_up_kernel(a, a_scale, w, w_scale, shared_w, shared_scale, expert_ids, out, N, K, TOP_K, n_tasks,
+                           sa_m, sw_e, sw_n, sws_e, so_m, BN: tl.constexpr, BK: tl.constexpr):
     """Task t = (pair p = t // tiles_n, column tile): out[p, n] = silu(gate) * up of token p // SLOTS through
     the expert of slot p % SLOTS (gate rows n, up rows N + n of w [E, 2N, K]), rounded as grouped_gemm's GATED
-    epilogue rounds. SLOTS = TOP_K routed slots (expert_ids [M, TOP_K]), plus, when SHARED, slot TOP_K: the
+    epilogue rounds. SLOTS = TOP_K routed slots (expert_ids [M, TOP_K]), plus, with shared_w, slot TOP_K: the
     shared expert shared_w [2N, K] (same row stride as w) - of w's kind, or a float one beside int8 routed
-    experts (SHARED_FLOAT). QUANTIZE: int8 experts, float tokens a, quantized per token here (the row's scale
-    from its absolute maximum, as quantize_per_token_int8) - no quantization launch, and the float row at hand
-    for a float shared expert. The shared slot takes a branch of its own rather than choosing between its
-    pointers and a routed expert's with tl.where, which triton-ascend's adapter cannot lower."""
+    experts. Float tokens a into int8 experts are quantized per token here (the row's scale from its absolute
+    maximum, as quantize_per_token_int8) - no quantization launch, and the float row at hand for a float shared
+    expert. The shared slot takes a branch of its own rather than choosing between its pointers and a routed
+    expert's with tl.where, which triton-ascend's adapter cannot lower."""
+    SHARED: tl.constexpr = shared_w is not None
     tiles_n = (N + BN - 1) // BN
     slots = TOP_K + SHARED
     dt = out.dtype.element_ty
@@ -160,36 +157,37 @@ def _pair_gate_up_kernel(a, a_scale, w, w_scale, shared_w, shared_scale, expert_
         if SHARED:
             if slot == TOP_K:
                 gate, up = _expert_gate_up(a_row, a_scale, token, shared_w, shared_scale, rn, N, K, sw_n, n_ok, BN,
-                                           BK, INT8 and not SHARED_FLOAT, QUANTIZE, dt)
+                                           BK, dt)
             else:
                 gate, up = _routed_gate_up(a_row, a_scale, token, slot, expert_ids, w, w_scale, rn, N, K, TOP_K,
-                                           sw_e, sw_n, sws_e, n_ok, BN, BK, INT8, QUANTIZE, dt)
+                                           sw_e, sw_n, sws_e, n_ok, BN, BK, dt)
         else:
             gate, up = _routed_gate_up(a_row, a_scale, token, slot, expert_ids, w, w_scale, rn, N, K, TOP_K, sw_e,
-                                       sw_n, sws_e, n_ok, BN, BK, INT8, QUANTIZE, dt)
+                                       sw_n, sws_e, n_ok, BN, BK, dt)
         g = gate.to(tl.float32)
         h = ((g / (1.0 + tl.exp(-g))).to(dt).to(tl.float32) * up.to(tl.float32)).to(dt)
         tl.store(out + tl.cast(p, tl.int64) * so_m + rn, h, mask=n_ok)
 
 
 @jit
-def _down_product(h_row, h_scale, p, w_rows, w_s, K, n_ok, BN: tl.constexpr, BK: tl.constexpr, INT8: tl.constexpr,
-                  QUANTIZE: tl.constexpr, ONE_K_TILE: tl.constexpr, dt):
+def _down_product(h_row, h_scale, p, w_rows, w_s, K, n_ok, BN: tl.constexpr, BK: tl.constexpr,
+                  ONE_K_TILE: tl.constexpr, dt):
     """h_row @ w_rows^T -> [BN] in dt: float, or int8 weights (per-channel scales w_s) with h_row int8 (its scale
-    h_scale[p]) or float and quantized here (QUANTIZE)."""
+    h_scale[p]) or float and quantized here."""
+    INT8: tl.constexpr = w_rows.dtype.element_ty == tl.int8
     if INT8:
-        if QUANTIZE:
+        if h_row.dtype.element_ty != tl.int8:
             x_s = _row_scale(h_row, K, BK)
         else:
             x_s = tl.load(h_scale + p)
     else:
         x_s = 1.0
     if ONE_K_TILE:  # no inner loop: the slot loop is innermost, and the compiler pipelines its loads
-        acc = _row_times_tile(h_row, w_rows, 0, K, n_ok, BK, INT8, QUANTIZE, x_s)
+        acc = _row_times_tile(h_row, w_rows, 0, K, n_ok, BK, x_s)
     else:
         acc = tl.zeros([BN], dtype=tl.int32 if INT8 else tl.float32)
         for k0 in range(0, K, BK):
-            acc += _row_times_tile(h_row, w_rows, k0, K, n_ok, BK, INT8, QUANTIZE, x_s)
+            acc += _row_times_tile(h_row, w_rows, k0, K, n_ok, BK, x_s)
     if INT8:
         return (acc.to(tl.float32) * x_s * tl.load(w_s, mask=n_ok, other=0.0)).to(dt)
     return acc.to(dt)
@@ -197,33 +195,32 @@ def _down_product(h_row, h_scale, p, w_rows, w_s, K, n_ok, BN: tl.constexpr, BK:
 
 @jit
 def _routed_down(h_row, h_scale, p, routed, expert_ids, route_weight, w, w_scale, rn, K, sw_e, sw_n, sws_e, n_ok,
-                 BN: tl.constexpr, BK: tl.constexpr, INT8: tl.constexpr, QUANTIZE: tl.constexpr,
-                 ONE_K_TILE: tl.constexpr, dt):
+                 BN: tl.constexpr, BK: tl.constexpr, ONE_K_TILE: tl.constexpr, dt):
     """(the product of routed pair `routed` (expert_ids' flat index) through its expert's rows rn, its weight)."""
     expert = tl.load(expert_ids + routed).to(tl.int64)
-    if INT8:
+    if w.dtype.element_ty == tl.int8:
         w_s = w_scale + expert * sws_e + rn
     else:
         w_s = w_scale
     y = _down_product(h_row, h_scale, p, w + expert * sw_e + rn[:, None].to(tl.int64) * sw_n, w_s, K, n_ok, BN, BK,
-                      INT8, QUANTIZE, ONE_K_TILE, dt)
+                      ONE_K_TILE, dt)
     return y, tl.load(route_weight + routed).to(tl.float32)
 
 
-# NPU budget (the NPU's tiles, few_tokens_config): one weight tile [8, 512] (8 KiB bf16, 16 KiB fp32) and its fp32
+# NPU budget (the NPU's tiles, matvec_config): one weight tile [8, 512] (8 KiB bf16, 16 KiB fp32) and its fp32
 # products (16 KiB).
 @jit
-def _token_down_kernel(h, h_scale, w, w_scale, shared_w, shared_scale, expert_ids, route_weight, shared_weight,
-                       add_to, out, N, K, TOP_K, n_tasks, sh_m, sw_e, sw_n, sws_e, so_m, BN: tl.constexpr,
-                       BK: tl.constexpr, INT8: tl.constexpr, ADD: tl.constexpr, SHARED: tl.constexpr,
-                       ONE_K_TILE: tl.constexpr, QUANTIZE: tl.constexpr, SHARED_FLOAT: tl.constexpr):
+def _matvec_down_kernel(h, h_scale, w, w_scale, shared_w, shared_scale, expert_ids, route_weight, shared_weight,
+                        add_to, out, N, K, TOP_K, n_tasks, sh_m, sw_e, sw_n, sws_e, so_m, BN: tl.constexpr,
+                        BK: tl.constexpr, ONE_K_TILE: tl.constexpr):
     """Task t = (token m = t // tiles_n, column tile): out[m, n] = the sum over slots s = 0..SLOTS-1, in that
     order and in fp32, of round(round(h[p] @ w_s[n]) * weight_s) with p = m SLOTS + s (each product rounded to
-    out's dtype as grouped_gemm's ROUTED epilogue rounds), starting from add_to[m, n] when ADD (else 0),
+    out's dtype as grouped_gemm's ROUTED epilogue rounds), starting from add_to[m, n] when given (else 0),
     rounded once at the end. Slots s < TOP_K: expert expert_ids[m, s] of w [E, N, K], weight route_weight[m, s];
-    slot TOP_K when SHARED: the shared expert shared_w [N, K] (w's row stride), weight shared_weight[m] - of w's
-    kind, or float beside int8 routed experts (SHARED_FLOAT), in a branch of its own (as _pair_gate_up_kernel's).
-    QUANTIZE: int8 experts, h float, each row quantized per token here (no quantization launch)."""
+    slot TOP_K with shared_w: the shared expert shared_w [N, K] (w's row stride), weight shared_weight[m] - of
+    w's kind, or float beside int8 routed experts, in a branch of its own (as _matvec_gate_up_kernel's). Float
+    rows h into int8 experts are quantized per token here (no quantization launch). ONE_K_TILE: K <= BK."""
+    SHARED: tl.constexpr = shared_w is not None
     tiles_n = (N + BN - 1) // BN
     slots = TOP_K + SHARED
     dt = out.dtype.element_ty
@@ -232,88 +229,77 @@ def _token_down_kernel(h, h_scale, w, w_scale, shared_w, shared_scale, expert_id
         rn = task % tiles_n * BN + tl.arange(0, BN)
         n_ok = rn < N
         total = tl.zeros([BN], dtype=tl.float32)
-        if ADD:
+        if add_to is not None:
             total += tl.load(add_to + tl.cast(m, tl.int64) * so_m + rn, mask=n_ok, other=0.0).to(tl.float32)
         for s in range(0, slots):
             p = m * slots + s
             h_row = h + tl.cast(p, tl.int64) * sh_m
             if SHARED:
                 if s == TOP_K:
-                    if INT8 and not SHARED_FLOAT:
+                    if shared_w.dtype.element_ty == tl.int8:
                         shared_s = shared_scale + rn
                     else:
                         shared_s = shared_scale
                     y = _down_product(h_row, h_scale, p, shared_w + rn[:, None].to(tl.int64) * sw_n, shared_s, K,
-                                      n_ok, BN, BK, INT8 and not SHARED_FLOAT, QUANTIZE and not SHARED_FLOAT,
-                                      ONE_K_TILE, dt)
+                                      n_ok, BN, BK, ONE_K_TILE, dt)
                     weight = tl.load(shared_weight + m).to(tl.float32)
                 else:
                     y, weight = _routed_down(h_row, h_scale, p, m * TOP_K + s, expert_ids, route_weight, w, w_scale,
-                                             rn, K, sw_e, sw_n, sws_e, n_ok, BN, BK, INT8, QUANTIZE, ONE_K_TILE, dt)
+                                             rn, K, sw_e, sw_n, sws_e, n_ok, BN, BK, ONE_K_TILE, dt)
             else:
                 y, weight = _routed_down(h_row, h_scale, p, m * TOP_K + s, expert_ids, route_weight, w, w_scale, rn,
-                                         K, sw_e, sw_n, sws_e, n_ok, BN, BK, INT8, QUANTIZE, ONE_K_TILE, dt)
+                                         K, sw_e, sw_n, sws_e, n_ok, BN, BK, ONE_K_TILE, dt)
             total += (y.to(tl.float32) * weight).to(dt).to(tl.float32)
         tl.store(out + tl.cast(m, tl.int64) * so_m + rn, total.to(dt), mask=n_ok)
 
 
-def _kinds(a: torch.Tensor, experts: StackedExperts, shared: StackedExperts | None) -> tuple[bool, bool, bool]:
-    """(int8 experts, float tokens a to quantize in the kernel, a float shared expert beside int8 experts)."""
-    int8 = experts.quantized
-    quantize = int8 and a.dtype != torch.int8
-    shared_float = shared is not None and int8 and not shared.quantized
-    if shared_float and not quantize:
+def _check_kinds(a: torch.Tensor, experts: StackedExperts, shared: StackedExperts | None) -> None:
+    """The kernels take int8 rows into int8 experts only, and a float shared expert beside int8 experts needs the
+    float rows (the kernels quantize them for the routed slots)."""
+    if a.dtype == torch.int8 and not experts.quantized:
+        raise ValueError(f"the matvec kernels take int8 rows with int8 experts only, got {experts.gate_up.dtype}")
+    if shared is not None and a.dtype == torch.int8 and not shared.quantized:
         raise ValueError("a float shared expert beside int8 experts needs the float tokens")
-    return int8, quantize, shared_float
 
 
-def shares_layout(experts: StackedExperts, shared: StackedExperts) -> bool:
-    """Whether the kernels can run `shared` (one expert) as one more slot of `experts`: the same kind (BF16 or
-    int8) or a float one beside int8 experts (the W8A8 recipes keep shared experts FLOAT), the same widths and
-    row strides."""
-    pairs = ((shared.gate_up, experts.gate_up), (shared.down, experts.down))
-    return (shared.num_experts == 1 and (shared.quantized == experts.quantized or experts.quantized)
-            and all(a.shape[1:] == b.shape[1:] and a.stride()[1:] == b.stride()[1:] == (b.shape[2], 1)
-                    for a, b in pairs))
+def matvec_gate_up(a: torch.Tensor, a_scale: torch.Tensor | None, experts: StackedExperts, expert_ids: torch.Tensor,
+                   out_dtype: torch.dtype, config: MatvecConfig, shared: StackedExperts | None = None
+                   ) -> torch.Tensor:
+    """silu(gate) * up of each routed pair -> [M * slots, N] (row token * slots + slot), slots = top_k, or top_k + 1
+    with the shared expert (shares_layout) in the last slot.
 
-
-def pair_gate_up(a: torch.Tensor, a_scale: torch.Tensor | None, experts: StackedExperts, expert_ids: torch.Tensor,
-                 out_dtype: torch.dtype, config: FewTokensConfig = FEW_TOKENS, shared: StackedExperts | None = None
-                 ) -> torch.Tensor:
-    """a [M, K] (bf16, or int8 with a_scale [M]; bf16 tokens into int8 experts are quantized in the kernel);
-    experts' gate_up [E, 2N, K] (gate_up_scale [E, 2N] for int8);
-    expert_ids [M, top_k] -> [M * slots, N]: silu(gate) * up of each routed pair (row token * slots + slot),
-    slots = top_k, or top_k + 1 with the shared expert (shares_layout) in the last slot."""
+    a [M, K] float, or int8 with a_scale [M] fp32 (int8 experts only; float tokens into int8 experts are quantized
+    in the kernel); experts.gate_up [E, 2N, K] (int8: gate_up_scale [E, 2N]); expert_ids [M, top_k] int64."""
     m, top_k = expert_ids.shape
     w, w_scale = experts.gate_up, experts.gate_up_scale
     n, k = w.shape[1] // 2, w.shape[2]
-    int8, quantize, shared_float = _kinds(a, experts, shared)
+    _check_kinds(a, experts, shared)
     slots = top_k + (shared is not None)
     expert_ids = expert_ids.contiguous()
     out = torch.empty(m * slots, n, dtype=out_dtype, device=a.device)
     n_tasks = m * slots * -(-n // config.gate_up_bn)
-    launch(_pair_gate_up_kernel, persistent_grid(a.device, n_tasks), a, a_scale, w, w_scale,
+    launch(_matvec_gate_up_kernel, persistent_grid(a.device, n_tasks), a, a_scale, w, w_scale,
            None if shared is None else shared.gate_up, None if shared is None else shared.gate_up_scale, expert_ids,
-           out, n, k, top_k, n_tasks, a.stride(0), w.stride(0), w.stride(1), w_scale.stride(0) if int8 else 0,
-           out.stride(0), BN=config.gate_up_bn, BK=config.bk, INT8=int8, SHARED=shared is not None, QUANTIZE=quantize,
-           SHARED_FLOAT=shared_float, **launch_options(a.device, num_warps=config.num_warps,
-                                                       num_stages=config.num_stages))
+           out, n, k, top_k, n_tasks, a.stride(0), w.stride(0), w.stride(1),
+           w_scale.stride(0) if experts.quantized else 0, out.stride(0), BN=config.gate_up_bn, BK=config.bk,
+           **launch_options(a.device, num_warps=config.num_warps, num_stages=config.num_stages))
     return out
 
 
-def token_down(h: torch.Tensor, h_scale: torch.Tensor | None, experts: StackedExperts, expert_ids: torch.Tensor,
-               route_weight: torch.Tensor, out_dtype: torch.dtype, config: FewTokensConfig = FEW_TOKENS,
-               add_to: torch.Tensor | None = None, shared: StackedExperts | None = None,
-               shared_weight: torch.Tensor | None = None) -> torch.Tensor:
-    """h [M * slots, K] (bf16, or int8 with h_scale [M * slots]; bf16 rows into int8 experts are quantized in the
-    kernel); experts' down [E, N, K]; expert_ids,
-    route_weight [M, top_k] -> [M, N]: each token's expert outputs weighted and summed over its slots - the
-    shared expert's, weighted by shared_weight [M, 1], last when given - added to add_to [M, N] (contiguous,
-    out_dtype) when given."""
+def matvec_down(h: torch.Tensor, h_scale: torch.Tensor | None, experts: StackedExperts, expert_ids: torch.Tensor,
+                route_weight: torch.Tensor, out_dtype: torch.dtype, config: MatvecConfig,
+                add_to: torch.Tensor | None = None, shared: StackedExperts | None = None,
+                shared_weight: torch.Tensor | None = None) -> torch.Tensor:
+    """Each token's expert outputs weighted and summed over its slots in slot order - the shared expert's last,
+    when given - onto add_to when given -> [M, N] in out_dtype.
+
+    h [M * slots, K] float, or int8 with h_scale [M * slots] fp32 (int8 experts only; float rows into int8 experts
+    are quantized in the kernel); experts.down [E, N, K]; expert_ids [M, top_k] int64; route_weight [M, top_k];
+    shared_weight [M, 1]; add_to [M, N] contiguous, out_dtype."""
     m, top_k = expert_ids.shape
     w, w_scale = experts.down, experts.down_scale
     n, k = w.shape[1], w.shape[2]
-    int8, quantize, shared_float = _kinds(h, experts, shared)
+    _check_kinds(h, experts, shared)
     out = torch.empty(m, n, dtype=out_dtype, device=h.device)
     n_tasks = m * -(-n // config.down_bn)
     if add_to is not None and (add_to.shape != out.shape or add_to.stride() != out.stride()):
@@ -321,11 +307,26 @@ def token_down(h: torch.Tensor, h_scale: torch.Tensor | None, experts: StackedEx
     if shared_weight is not None and shared_weight.numel() != m:
         raise ValueError(f"shared_weight must hold one weight per token ({m}), got {shared_weight.numel()}")
     route_weight, expert_ids = route_weight.contiguous(), expert_ids.contiguous()
-    launch(_token_down_kernel, persistent_grid(h.device, n_tasks), h, h_scale, w, w_scale,
+    launch(_matvec_down_kernel, persistent_grid(h.device, n_tasks), h, h_scale, w, w_scale,
            None if shared is None else shared.down, None if shared is None else shared.down_scale, expert_ids,
            route_weight, shared_weight, add_to, out, n, k, top_k, n_tasks, h.stride(0), w.stride(0), w.stride(1),
-           w_scale.stride(0) if int8 else 0, out.stride(0), BN=config.down_bn, BK=config.bk, INT8=int8,
-           ADD=add_to is not None, SHARED=shared is not None, ONE_K_TILE=k <= config.bk, QUANTIZE=quantize,
-           SHARED_FLOAT=shared_float,
+           w_scale.stride(0) if experts.quantized else 0, out.stride(0), BN=config.down_bn, BK=config.bk,
+           ONE_K_TILE=k <= config.bk,
            **launch_options(h.device, num_warps=config.num_warps, num_stages=config.num_stages))
     return out
+
+
+def matvec_experts(tokens: torch.Tensor, token_scales: torch.Tensor | None, experts: StackedExperts,
+                   expert_ids: torch.Tensor, weights: torch.Tensor, out_dtype: torch.dtype, config: MatvecConfig,
+                   add_to: torch.Tensor | None = None, shared: StackedExperts | None = None,
+                   shared_weight: torch.Tensor | None = None) -> torch.Tensor:
+    """The matvec path, two launches -> [M, H] in out_dtype: each token's weighted expert outputs summed in slot
+    order (onto add_to [M, H] when given); with `shared` (shares_layout) and shared_weight [M, 1], the shared
+    expert as one more slot after the routed ones. Int8 experts quantize the float intermediate in the down
+    kernel.
+
+    tokens [M, H] float, or int8 with token_scales [M] fp32 (int8 experts only); expert_ids [M, top_k] int64;
+    weights [M, top_k] in out_dtype."""
+    h = matvec_gate_up(tokens, token_scales, experts, expert_ids, out_dtype, config, shared=shared)
+    return matvec_down(h, None, experts, expert_ids, weights, out_dtype, config, add_to=add_to, shared=shared,
+                       shared_weight=shared_weight)

@@ -1,0 +1,227 @@
+"""`npuport serve`: an OpenAI-compatible server on the built-in runtime - `POST /v1/completions` and
+`/v1/chat/completions` (log-probabilities, echo, n, streaming as server-sent events), `GET /v1/models`, `GET
+/health` - whose requests in flight are batched together (batching.py: one worker owns the model; a request that
+arrives while a batch runs joins the next one); http_handler.py reads and answers one connection.
+
+The HTTP layer is the standard library's threaded server, not the FastAPI / uvicorn stack of the engines' own
+servers: it does the job as well here - a thread per connection, each waiting on the batcher, and a stream is a
+`text/event-stream` response written as the tokens come and closed at its end - and the limits below are written
+against it and tested, while the engines' stack would add three dependencies to every install for no feature the
+API needs.
+
+A client cannot make the server hold more than it allows: every request field that sizes work is checked before
+anything is allocated (`max_tokens` against `--max-tokens-limit` and the model's context; prompts against
+`--max-prompt-tokens` and the context, token ids as the body is read and text once tokenized; `n`, the number of
+prompts, top log-probabilities, the chat template's variables, the body size), and a chat template of the
+request's own is refused unless the operator passes `--allow-client-chat-template` (a template is code the server
+runs). A connection has `--header-timeout` to send its request line and headers (at most MAX_HEAD_BYTES), then
+`--request-timeout` for its body; at most `--max-pending-connections` connections may be sending their requests at
+once, and `--max-connections` requests - counted once one has arrived whole and passed the API key - are served at
+once (one more, of either kind, gets 503 at once), so clients that send nothing, or a byte at a time, never hold a
+slot that a real request needs. With `--api-key` every /v1 request needs `Authorization: Bearer <key>`. The host
+may be an IPv4 or IPv6 address or a name; a port in use is one line of error. Every error is answered in the
+OpenAI shape without the server's internals."""
+
+from __future__ import annotations
+
+import ipaddress
+import json
+import socket
+import sys
+import threading
+import traceback
+from collections.abc import Iterator
+from contextlib import contextmanager
+from http import HTTPStatus
+from http.server import ThreadingHTTPServer
+from pathlib import Path
+from typing import Any
+
+from npuport.errors import NpuportError
+from npuport.runtime.serving.api_requests import RequestError, error_body
+from npuport.runtime.serving.http_handler import RequestHandler
+from npuport.runtime.serving.limits import DEFAULT_LIMITS, Log, PendingSlot, ServeLimits
+from npuport.runtime.serving.service import OpenAIService
+from npuport.runtime.text_completions import RuntimeCompletions
+
+DEFAULT_HOST = "127.0.0.1"
+API_KEY_ENV = "NPUPORT_API_KEY"  # npuport/cli.py names it too: the command line starts without torch
+LISTEN_BACKLOG = 128  # connections the kernel holds until accepted (each then gets a thread or a 503 at once)
+
+def print_to_stderr(line: str) -> None:
+    print(line, file=sys.stderr, flush=True)
+
+
+def exposure_warning(address: str, key_required: bool) -> str | None:
+    """The warning to print when the server listens on `address` (as bound) beyond this machine's loopback;
+    None on loopback. `key_required`: whether requests need an API key."""
+    try:
+        if ipaddress.ip_address(address.split("%", 1)[0]).is_loopback:
+            return None
+    except ValueError:  # a name that is not an address: say so rather than guess
+        pass
+    if key_required:
+        who = "requests need the API key, which travels unencrypted (plain HTTP): use a trusted network or a TLS proxy"
+    else:
+        who = f"anyone who can reach it can use the model; --api-key (or {API_KEY_ENV}) requires a key"
+    return f"warning: listening on {address}, beyond this machine's loopback: {who}"
+
+
+def host_port(host: str, port: int) -> str:
+    """`host:port` as a URL writes it: an IPv6 address in brackets."""
+    return f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
+
+
+def listening_family(host: str, port: int) -> socket.AddressFamily:
+    """The address family to listen on `host` with: IPv4 where the host has an IPv4 address (a name such as
+    localhost keeps listening where IPv4 clients reach it), else IPv6 (`::1`, `::`, an IPv6-only name). "" is
+    every interface, as bind takes it."""
+    families = [family for family, *_ in socket.getaddrinfo(host or None, port, type=socket.SOCK_STREAM,
+                                                            flags=socket.AI_PASSIVE)]
+    return socket.AF_INET if socket.AF_INET in families else families[0]
+
+
+class CompletionsServer(ThreadingHTTPServer):
+    """The HTTP server: `runner`'s model behind an OpenAIService (batches of at most runner.batch_size rows);
+    `served_model` is the name clients use. A connection gets a thread while fewer than
+    `limits.max_pending_connections` are still sending their requests, and a request is served while fewer than
+    `limits.max_connections` are; `log` gets a line per request, `report` the details of internal errors (which
+    clients only see as "internal error")."""
+
+    daemon_threads = True
+
+    def __init__(self, address: tuple[str, int], runner: RuntimeCompletions, served_model: str, *,
+                 limits: ServeLimits = DEFAULT_LIMITS, api_key: str | None = None, log: Log | None = None,
+                 report: Log = print_to_stderr) -> None:
+        if api_key is not None and not api_key.strip():
+            raise NpuportError("the API key is empty; give a key or none")
+        self.request_queue_size = LISTEN_BACKLOG  # read by server_activate
+        try:
+            self.address_family = listening_family(*address)  # read by the socket's creation
+            super().__init__(address, RequestHandler, bind_and_activate=False)
+        except OSError as e:
+            raise NpuportError(f"cannot listen on {host_port(*address)}: {e.strerror or e}") from None
+        try:
+            self.server_bind()
+            self.server_activate()
+        except OSError as e:
+            self.socket.close()
+            raise NpuportError(f"cannot listen on {host_port(*address)}: {e.strerror or e}") from None
+        try:
+            self.service = OpenAIService(runner, served_model, runner.batch_size)
+        except BaseException:
+            self.socket.close()
+            raise
+        self.limits = limits
+        self.api_key = api_key
+        self.log = log
+        self.report = report
+        self._pending = threading.BoundedSemaphore(limits.max_pending_connections)
+        self._slots: dict[socket.socket, PendingSlot] = {}  # a connection's pending slot, from accept to its thread
+        self._serving = threading.BoundedSemaphore(limits.max_connections)
+
+    def server_close(self) -> None:
+        super().server_close()
+        self.service.close()
+
+    @property
+    def url(self) -> str:
+        return f"http://{host_port(*self.server_address[:2])}"
+
+    def process_request(self, request: socket.socket, client_address: Any) -> None:
+        """A thread for the connection while fewer than max_pending_connections are sending their requests; else
+        503 at once."""
+        if not self._pending.acquire(blocking=False):
+            self._refuse_busy(request, client_address)
+            return
+        slot = self._slots[request] = PendingSlot(self._pending)
+        try:
+            super().process_request(request, client_address)
+        except BaseException:  # e.g. a signal's exception after the thread started: the slot goes back once
+            slot.release()
+            raise
+
+    def process_request_thread(self, request: socket.socket, client_address: Any) -> None:
+        """ThreadingMixIn's, handing the connection's pending slot to its handler, which gives it back once the
+        request has arrived whole; else it goes back when the connection ends."""
+        pending = self._slots.pop(request)
+        try:
+            RequestHandler(request, client_address, self, pending)
+        except Exception:
+            self.handle_error(request, client_address)
+        finally:
+            pending.release()
+            self.shutdown_request(request)
+
+    @contextmanager
+    def serving(self) -> Iterator[None]:
+        """One of the max_connections slots while a request that arrived whole is served; 503 when none is free."""
+        if not self._serving.acquire(blocking=False):
+            raise RequestError(HTTPStatus.SERVICE_UNAVAILABLE, f"the server is serving {self.limits.max_connections} "
+                               "requests; retry shortly", None, "server_busy")
+        try:
+            yield
+        finally:
+            self._serving.release()
+
+    def _refuse_busy(self, request: socket.socket, client_address: Any) -> None:
+        """Answer 503 without reading the request, on the accepting thread: never blocks (the answer fits the
+        fresh socket's send buffer, and a client that cannot take it is not waited for)."""
+        pending = self.limits.max_pending_connections
+        message = f"the server has {pending} connections still sending their requests; retry shortly"
+        payload = json.dumps(error_body(HTTPStatus.SERVICE_UNAVAILABLE, message, None, "server_busy")).encode()
+        head = (f"HTTP/1.0 503 Service Unavailable\r\nContent-Type: application/json\r\nContent-Length: "
+                f"{len(payload)}\r\nRetry-After: 1\r\nConnection: close\r\n\r\n").encode()
+        try:
+            request.setblocking(False)
+            request.send(head + payload)
+        except OSError:
+            pass
+        self.shutdown_request(request)
+        if self.log is not None:
+            self.log(f"{client_address[0]} refused: {pending} connections still sending their requests")
+
+    def handle_error(self, request: Any, client_address: Any) -> None:
+        """A connection that failed outside a request (a client that reset it): one line, no traceback."""
+        error = sys.exc_info()[1]
+        self.report(f"{client_address[0]}: connection dropped ({type(error).__name__}: {error})")
+
+    def internal_error(self, where: str, error: BaseException) -> None:
+        """Report a failure of the server's own (the details stay in the operator's log)."""
+        frame = traceback.extract_tb(error.__traceback__)[-1] if error.__traceback__ else None
+        at = f" (at {Path(frame.filename).name}:{frame.lineno})" if frame is not None else ""
+        self.report(f"{where}: internal error: {type(error).__name__}: {error}{at}")
+
+
+def make_server(runner: RuntimeCompletions, served_model: str, host: str = DEFAULT_HOST, port: int = 0,
+                log: Log | None = None, *, limits: ServeLimits = DEFAULT_LIMITS, api_key: str | None = None,
+                report: Log = print_to_stderr) -> CompletionsServer:
+    """A bound server (port 0: any free port; see `.url`); call `serve_forever()`, then `shutdown()`."""
+    return CompletionsServer((host, port), runner, served_model, limits=limits, api_key=api_key, log=log,
+                             report=report)
+
+
+def serve_model(path: Path | str, *, host: str = DEFAULT_HOST, port: int = 0, served_model: str | None = None,
+                device: str | None = None, dtype: str = "bfloat16", mtp: int = 0, dispatch: str | None = None,
+                max_batch_size: int = 16,
+                limits: ServeLimits = DEFAULT_LIMITS, api_key: str | None = None, announce: Log = print,
+                log: Log | None = None, warn: Log = print_to_stderr) -> None:
+    """Load the model folder `path` and serve it until interrupted (Ctrl-C). `announce` gets one line naming
+    the URL once the socket is bound (with port 0, the port the system chose); `warn` a warning when the address
+    is reachable beyond loopback, and the details of internal errors; `log` one line per request."""
+    runner = RuntimeCompletions.load(path, device=device, dtype=dtype, batch_size=max_batch_size, mtp=mtp,
+                                     dispatch=dispatch)
+    name = served_model or str(path)
+    server = make_server(runner, name, host, port, log, limits=limits, api_key=api_key, report=warn)
+    warning = exposure_warning(server.server_address[0], key_required=api_key is not None)
+    if warning is not None:
+        warn(warning)
+    world = runner.model.parallel.world
+    devices = f"{runner.model.device} x {world}" if world > 1 else f"{runner.model.device}"
+    announce(f"serving {path} as model {name!r} on {server.url}/v1 (device {devices}, MTP k={mtp}); Ctrl-C stops it")
+    try:
+        server.serve_forever()
+    except KeyboardInterrupt:
+        pass
+    finally:
+        server.server_close()
