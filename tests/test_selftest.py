@@ -96,7 +96,7 @@ def test_selftest_on_cpu_passes_and_writes_its_json(tmp_path):
     assert "selftest: all" in output and "passed on cpu" in output and not fell_back
     assert report["passed"] is True and report["device"] == "cpu" and report["fallen_back"] == {}
     assert report["versions"]["torch"] == torch.__version__
-    assert report["versions"]["triton"] and report["versions"]["torch_npu"] is None
+    assert report["versions"]["triton"] and report["versions"]["torch-npu"] is None
     assert set(report["implementations"]) == set(implementations.OPERATORS)
     for check in report["checks"]:
         assert set(check) == CHECK_FIELDS
