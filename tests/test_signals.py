@@ -120,7 +120,8 @@ def test_ctrl_c_with_two_workers_stops_promptly_and_leaves_nothing(src: Path, tm
     status, err, seconds = run.signal(signal.SIGINT)
     assert run.opened_shards() <= opened + 2, "queued shards were started after Ctrl-C"
     assert seconds < 5.0
-    assert not out.exists() and leftovers(tmp_path) == []
+    # what the run said, should it leave something behind (seen once under a loaded machine, not reproduced since)
+    assert not out.exists() and leftovers(tmp_path) == [], f"exit {status}, shards opened {run.opened_shards()}:\n{err}"
     assert status == 128 + signal.SIGINT and "error: stopped by SIGINT" in err and "Traceback" not in err, err
     convert(src, out, workers=2, part_file_size_gb=0.00005)
     assert check_artifact(out) == [] and leftovers(tmp_path) == []
