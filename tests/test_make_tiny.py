@@ -66,3 +66,25 @@ def test_config_loads_as_qwen35(tiny_checkpoints):
     cfg = AutoConfig.from_pretrained(tiny_checkpoints["moe-multimodal-fused"])
     assert cfg.model_type == "qwen3_5_moe"
     assert cfg.text_config.layer_types == ["linear_attention"] * 3 + ["full_attention"]
+
+
+@pytest.mark.parametrize("size", sorted(PRESETS))
+def test_mrope_sections_sum_to_the_rotated_frequencies_at_every_preset(size):
+    """What vLLM asserts of a Qwen3.5 config: sum(mrope_section) == rotary_dim // 2, the frequencies a head rotates
+    (head_dim x partial_rotary_factor / 2); the published widths keep the published [11, 11, 10]."""
+    from npuport.fixtures.tiny_checkpoint import text_config
+
+    arch = "moe" if PRESETS[size].num_experts else "dense"
+    rope = text_config(TinySpec(arch=arch, size=size), 2048, 1, 0)["rope_parameters"]
+    rotary_dim = int(PRESETS[size].head_dim * rope["partial_rotary_factor"])
+    assert sum(rope["mrope_section"]) == rotary_dim // 2 and min(rope["mrope_section"]) >= 0
+    if PRESETS[size].head_dim == 256:
+        assert rope["mrope_section"] == [11, 11, 10]
+
+
+def test_the_shipped_models_mrope_sections_sum_to_its_rotated_frequencies():
+    from npuport.fixtures.train_tiny import trained_tiny_path
+
+    config = json.loads((trained_tiny_path() / "config.json").read_text())["text_config"]
+    rope = config["rope_parameters"]
+    assert sum(rope["mrope_section"]) == int(config["head_dim"] * rope["partial_rotary_factor"]) // 2
