@@ -335,6 +335,9 @@ from npuport.runtime.validation.gsm8k import DEFAULT_PROTOCOL, LM_EVAL_SEED, MAX
 @click.option("--fidelity-top-k", type=click.IntRange(1, 20), default=5, show_default=True,
               help="Log-probabilities per position asked of a server for fidelity (the OpenAI API gives at most 5; "
                    "vLLM and npuport serve 20).")
+@click.option("--api-key", envvar=["NPUPORT_API_KEY", "OPENAI_API_KEY"], show_envvar=True, default=None,
+              help="Sent as 'Authorization: Bearer KEY' to --endpoint and --reference-endpoint (prefer the "
+                   "environment variables: a command line is visible to other users of the machine).")
 @click.option("--parallel", type=click.IntRange(min=1), default=16, show_default=True,
               help="Requests in flight to --endpoint.")
 @click.option("--timeout", "timeout_s", type=click.FloatRange(min=0, min_open=True), default=600.0, show_default=True,
@@ -363,7 +366,8 @@ from npuport.runtime.validation.gsm8k import DEFAULT_PROTOCOL, LM_EVAL_SEED, MAX
 def validate_cmd(artifact: Path, gsm8k: bool, protocol: str, data: Path | None, num_questions: int | None,
                  shots: int | None, max_new_tokens: int, batch_size: int, mtp: int, seed: int, reference: Path | None,
                  endpoint: str | None, endpoint_model: str | None, reference_endpoint: str | None,
-                 reference_endpoint_model: str | None, fidelity_top_k: int, parallel: int, timeout_s: float,
+                 reference_endpoint_model: str | None, fidelity_top_k: int, api_key: str | None, parallel: int,
+                 timeout_s: float,
                  retries: int,
                  device: str | None, devices: int, dtype: str, batch_invariant: bool | None, dispatch: str | None,
                  fidelity_questions: int | None, throughput: bool,
@@ -388,7 +392,7 @@ def validate_cmd(artifact: Path, gsm8k: bool, protocol: str, data: Path | None, 
                               fidelity_questions, throughput, max_accuracy_drop, min_acceptance, template_kwargs,
                               batch_invariant, reference_endpoint=reference_endpoint,
                               reference_endpoint_model=reference_endpoint_model, fidelity_top_k=fidelity_top_k,
-                              dispatch=dispatch)
+                              dispatch=dispatch, api_key=api_key)
     if devices > 1 and endpoint:
         raise NpuportError("--devices splits the built-in runtime's model; with --endpoint the server runs it")
     for model in (artifact, reference) if reference is not None else (artifact,):

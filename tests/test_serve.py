@@ -177,3 +177,27 @@ def test_validate_through_npuport_serve_equals_the_built_in_runtime(tiny_artifac
     assert scores("endpoint") == scores("runtime")
     report = json.loads((tmp_path / "endpoint" / "report.json").read_text())
     assert report["device"] == f"endpoint {url}/v1/completions" and "throughput" not in report
+
+
+def test_validate_sends_the_api_key_that_a_protected_serve_asks_for(runner, tiny_artifacts, tmp_path, monkeypatch):
+    """`npuport serve --api-key` refuses requests without the bearer key (401); `validate --endpoint` sends it when
+    given as --api-key or in NPUPORT_API_KEY / OPENAI_API_KEY, and every question is then answered."""
+    for name in ("NPUPORT_API_KEY", "OPENAI_API_KEY"):
+        monkeypatch.delenv(name, raising=False)
+    artifact = tiny_artifacts[KIND]
+    with running(make_server(runner, "tiny", api_key="k-1618")) as url:
+        def validate(folder: str, *extra: str, env: dict | None = None):
+            args = ["validate", "--gsm8k", str(artifact), "--endpoint", url, "--endpoint-model", "tiny",
+                    "--num-questions", "2", "--max-new-tokens", "6", "--retries", "0", "--out", str(tmp_path / folder)]
+            return CliRunner().invoke(main, [*args, *extra], env=env)
+
+        refused = validate("none")
+        assert refused.exit_code == 1 and "401" in refused.output, refused.output
+        for folder, extra, env in (("option", ("--api-key", "k-1618"), None),
+                                   ("npuport", (), {"NPUPORT_API_KEY": "k-1618"}),
+                                   ("openai", (), {"OPENAI_API_KEY": "k-1618"})):
+            result = validate(folder, *extra, env=env)
+            assert result.exit_code == 0, (folder, result.output)
+            report = json.loads((tmp_path / folder / "report.json").read_text())
+            assert report["gsm8k"][0]["candidate"]["num_questions"] == 2
+            assert [f["failed"] for f in report["failed_questions"]] == [0]

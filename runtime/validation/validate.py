@@ -86,6 +86,7 @@ class ValidateOptions:
     reference_endpoint_model: str | None = None  # None: the one model the server lists
     fidelity_top_k: int = DEFAULT_TOP_K  # log-probabilities per position asked of a server for fidelity
     dispatch: str | None = None  # MoE dispatch in the built-in runtime (run_options.DISPATCH_CHOICES); None: default
+    api_key: str | None = None  # sent as a bearer token to --endpoint and --reference-endpoint
 
     def check(self) -> None:
         """Refuse combinations that cannot be measured, before anything is loaded."""
@@ -227,7 +228,7 @@ def _candidate_runner(opts: ValidateOptions, device: torch.device, log: Log) -> 
     """The artifact's runner (a server or the runtime), the tokenizer for chat prompts, a description."""
     if opts.endpoint is not None:
         client = EndpointRunner(opts.endpoint, opts.endpoint_model or str(opts.artifact), parallel=opts.parallel,
-                                timeout_s=opts.timeout_s, retries=opts.retries)
+                                timeout_s=opts.timeout_s, retries=opts.retries, api_key=opts.api_key)
         return (client, load_tokenizer(opts.artifact),
                 f"endpoint {client.url} (model {client.model}, {opts.parallel} in parallel)")
     log(f"loading {opts.artifact} on {device}")
@@ -247,13 +248,13 @@ def _reference_runner(opts: ValidateOptions, device: torch.device, log: Log) -> 
         return None
     model = opts.reference_endpoint_model
     if model is None:
-        listed = served_models(opts.reference_endpoint, timeout_s=opts.timeout_s)
+        listed = served_models(opts.reference_endpoint, timeout_s=opts.timeout_s, api_key=opts.api_key)
         if len(listed) != 1:
             raise NpuportError(f"{opts.reference_endpoint} serves {len(listed)} models ({', '.join(listed) or 'none'}"
                                "); name the reference with --reference-endpoint-model")
         model = listed[0]
     client = EndpointRunner(opts.reference_endpoint, model, parallel=opts.parallel, timeout_s=opts.timeout_s,
-                            retries=opts.retries)
+                            retries=opts.retries, api_key=opts.api_key)
     return client, f"endpoint {client.url} (model {client.model})"
 
 
