@@ -324,7 +324,8 @@ from npuport.runtime.validation.gsm8k import DEFAULT_PROTOCOL, LM_EVAL_SEED, MAX
                    "fidelity.")
 @click.option("--endpoint", metavar="URL", help="Run the artifact on an OpenAI-compatible server (/v1/completions) "
               "instead of the built-in runtime; throughput is then not measured, and fidelity comes from the "
-              "servers' log-probabilities.")
+              "servers' log-probabilities. ARTIFACT is still read here: its tokenizer renders chat prompts, and the "
+              "report's checksum is taken over its files.")
 @click.option("--endpoint-model", metavar="NAME", help="The model name to send (default: ARTIFACT as given).")
 @click.option("--reference-endpoint", metavar="URL",
               help="The BF16 reference on an OpenAI-compatible server instead of --reference: the same GSM8K run on "
