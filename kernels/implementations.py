@@ -137,34 +137,29 @@ def reset_fall_backs() -> Iterator[None]:
 
 
 @contextlib.contextmanager
-def batch_invariant_calls(on: bool = True) -> Iterator[None]:
+def set_within(var: contextvars.ContextVar, value) -> Iterator[None]:
+    """`var` set to `value` inside the block (this thread / task), restored on exit, exceptions included."""
+    token = var.set(value)
+    try:
+        yield
+    finally:
+        var.reset(token)
+
+
+def batch_invariant_calls(on: bool = True) -> contextlib.AbstractContextManager[None]:
     """Inside the block (this thread / task; on=False: suspended), calls must keep each row's bits independent of
     the other rows (batch-invariant decoding, runtime/invariance.py): operators outside ORDER_FREE take Triton, not
     their native operator."""
-    token = _invariant.set(on)
-    try:
-        yield
-    finally:
-        _invariant.reset(token)
+    return set_within(_invariant, on)
 
 
-@contextlib.contextmanager
-def without_native() -> Iterator[None]:
+def without_native() -> contextlib.AbstractContextManager[None]:
     """Inside the block (this thread / task), no operator takes its native implementation: on an NPU every call runs
     the Triton kernel it steps down to (the triton-ascend lowering check records those launches)."""
-    token = _native_off.set(True)
-    try:
-        yield
-    finally:
-        _native_off.reset(token)
+    return set_within(_native_off, True)
 
 
-@contextlib.contextmanager
-def standing_in_for_npu() -> Iterator[None]:
+def standing_in_for_npu() -> contextlib.AbstractContextManager[None]:
     """Inside the block (this thread / task), CPU tensors take the NPU's implementations, torch-npu's operators
     played by their documented stand-ins (kernels/npu/standins.py)."""
-    token = _standing_in.set(True)
-    try:
-        yield
-    finally:
-        _standing_in.reset(token)
+    return set_within(_standing_in, True)

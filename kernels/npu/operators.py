@@ -12,7 +12,7 @@ from types import ModuleType
 import torch
 
 from npuport.devices import native_operators
-from npuport.kernels.implementations import standing_in
+from npuport.kernels.implementations import set_within, standing_in
 from npuport.kernels.npu import standins
 
 BF16_FP16 = frozenset({torch.bfloat16, torch.float16})
@@ -62,11 +62,8 @@ def recording_calls() -> Iterator[list[OperatorCall]]:
     """Inside the block (this thread / task), every operator call the wrappers make is appended to the yielded list
     (the prototype test binds each to torch-npu's documented signature)."""
     calls: list[OperatorCall] = []
-    token = _recording.set(calls)
-    try:
+    with set_within(_recording, calls):
         yield calls
-    finally:
-        _recording.reset(token)
 
 
 # What the stand-ins take beyond the documentation: float32 and float64 models check the NPU path's wiring at their
