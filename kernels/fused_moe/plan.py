@@ -34,7 +34,8 @@ class ExpertPlan:
     """One call of the experts, decided.
 
     path: MATVEC or GROUPED (the Triton kernels, with the tiles `matvec` or `grouped`), REFERENCE (the PyTorch
-    loop) or NATIVE (torch-npu's grouped matmul - the reference runs until it is wired in, run.py).
+    loop) or NATIVE (torch-npu's MoE operators, kernels/npu/moe.py: its shared expert summed in by the operator that
+    sums the slots, recorded as SLOT).
     shared: None (no shared expert), or how it joins the routed sum (SHARED_WAYS; MATVEC with the tiles
     shared_matvec). int8_tokens: the routed experts read the tokens as they arrived quantized (x_int8) rather than
     the float tokens x."""

@@ -1,8 +1,9 @@
 """The MoE experts executed as planned (plan.py), without a host synchronisation: for few routed pairs (decode,
 verify) two matvec launches (matvec.py: gate/up with silu(gate) * up fused, down with the routing weight and the
 top-k sum fused); for many (prefill) the rows grouped by expert, two grouped GEMMs (grouped_gemm.py) and the top-k
-sum; off Triton the per-expert PyTorch loop (naive.py). W8A8 experts add the per-token quantization of the tokens
-and of the intermediate. fused_experts is the one entry the model calls."""
+sum; on an NPU torch-npu's MoE operators (kernels/npu/moe.py); elsewhere the per-expert PyTorch loop (naive.py).
+W8A8 experts add the per-token quantization of the tokens and of the intermediate. fused_experts is the one entry
+the model calls."""
 
 from __future__ import annotations
 
