@@ -1,28 +1,39 @@
-"""`npuport check`: every rule of CONTRACT.md checked on an artifact folder, each violation listed."""
+"""`npuport check`: every rule of CONTRACT.md checked on an artifact folder, or the source checks on a BF16 source
+folder, and on both what the serving engines assert (engine_rules.py); each violation listed in one line."""
 
 from __future__ import annotations
 
 from pathlib import Path
 
 from npuport.convert.ascend_writer import DESCRIPTION_GLOBALS, INDEX_NAME
+from npuport.convert.engine_rules import engine_problems
 from npuport.convert.labels import engine_float_reason
 from npuport.convert.qwen35_names import FUSED_EXPERTS, fused_group, is_linear_weight, is_mtp, split_param
 from npuport.convert.recipe import FLOAT, W8A8_DYNAMIC
 from npuport.convert.safetensors_io import MappedShards, TensorEntry, read_header
-from npuport.convert.source import ModelConfig, config_problems, shown_value
+from npuport.convert.source import (
+    CONFIG_NAME,
+    QWEN35_MODEL_TYPES,
+    SINGLE_NAME,
+    ModelConfig,
+    config_problems,
+    shown_value,
+)
+from npuport.convert.source import INDEX_NAME as SOURCE_INDEX_NAME
 from npuport.errors import ArtifactError, NpuportError
 from npuport.jsonfile import read_json_object
-from npuport.paths import file_inside
+from npuport.paths import file_inside, hub_cache_blobs
 
 QUANT_PARAMS = ("weight", "weight_scale", "weight_offset")
 SOURCE_ONLY_FILES = ("model.safetensors.index.json", "model.safetensors")
 
 
-def _load_json(path: Path, problems: list[str]) -> dict | None:
-    """The JSON object in `path`, or None with the problem added (the file outside the artifact, unreadable, not
+def _load_json(path: Path, problems: list[str], also_inside: Path | None = None) -> dict | None:
+    """The JSON object in `path`, or None with the problem added (the file outside the folder, unreadable, not
     JSON within npuport's bounds, not an object)."""
     try:
-        return read_json_object(file_inside(path.parent, path.name, "the artifact", ArtifactError), ArtifactError)
+        inside = file_inside(path.parent, path.name, "the folder", ArtifactError, also_inside=also_inside)
+        return read_json_object(inside, ArtifactError)
     except ArtifactError as e:
         problems.append(_relative(e, path.parent))
         return None
@@ -33,41 +44,47 @@ def _relative(error: NpuportError, art: Path) -> str:
     return str(error).replace(f"{art}/", "").replace(f"{art}: ", "")
 
 
-def _read_shards(art: Path, problems: list[str]) -> dict[str, TensorEntry]:
-    index = _load_json(art / INDEX_NAME, problems) if (art / INDEX_NAME).exists() else None
+def _read_shards(art: Path, problems: list[str], index_name: str = INDEX_NAME, strict: bool = True,
+                 also_inside: Path | None = None) -> dict[str, TensorEntry]:
+    """Every tensor the index `index_name` of the folder `art` names, with a problem added for each way the index
+    and the shard headers disagree; `strict` (an artifact, which npuport wrote): also the index's total_size and
+    any safetensors file it does not name. `also_inside`: a hub cache's blobs, where a source's files may lie."""
+    index = _load_json(art / index_name, problems, also_inside) if (art / index_name).exists() else None
     if index is None:
-        if not (art / INDEX_NAME).exists():
-            problems.append(f"{INDEX_NAME} is missing (written even for one shard)")
+        if not (art / index_name).exists():
+            problems.append(f"{index_name} is missing (written even for one shard)")
         return {}
     weight_map = index.get("weight_map") or {}
     if not isinstance(weight_map, dict) or not all(isinstance(shard, str) for shard in weight_map.values()):
-        problems.append(f"{INDEX_NAME}: weight_map must map each tensor name to a shard file name")
+        problems.append(f"{index_name}: weight_map must map each tensor name to a shard file name")
         return {}
     entries: dict[str, TensorEntry] = {}
     read: set[str] = set()
     for shard in sorted(set(weight_map.values())):
         try:
-            found, _ = read_header(file_inside(art, shard, INDEX_NAME, ArtifactError))
+            found, _ = read_header(file_inside(art, shard, index_name, ArtifactError, also_inside=also_inside))
         except NpuportError as e:
             problems.append(_relative(e, art))
             continue
         read.add(shard)
         for name, entry in found.items():
             if weight_map.get(name) != shard:
-                problems.append(f"{shard}: tensor {name} is not mapped to this shard in {INDEX_NAME}")
+                problems.append(f"{shard}: tensor {name} is not mapped to this shard in {index_name}")
             entries[name] = entry
     for name, shard in weight_map.items():
         if name not in entries and shard in read:
-            problems.append(f"{INDEX_NAME}: maps {name} to {shard}, which does not contain it")
+            problems.append(f"{index_name}: maps {name} to {shard}, which does not contain it")
+    if not strict:
+        return entries
     metadata = index.get("metadata") or {}
     if not isinstance(metadata, dict):
-        problems.append(f"{INDEX_NAME}: metadata must be an object (with total_size), is {type(metadata).__name__}")
+        problems.append(f"{index_name}: metadata must be an object (with total_size), is {type(metadata).__name__}")
     elif (total := metadata.get("total_size")) != sum(e.nbytes for e in entries.values()):
-        problems.append(f"{INDEX_NAME}: metadata.total_size {shown_value(total)} != "
+        problems.append(f"{index_name}: metadata.total_size {shown_value(total)} != "
                         f"{sum(e.nbytes for e in entries.values())}")
     for p in sorted(art.glob("*.safetensors")):
         if p.name not in set(weight_map.values()):
-            problems.append(f"{p.name}: a safetensors file not named by {INDEX_NAME}")
+            problems.append(f"{p.name}: a safetensors file not named by {index_name}")
     return entries
 
 
@@ -78,6 +95,60 @@ def _config_problems(config: dict, entries: dict[str, TensorEntry]) -> list[str]
     except NpuportError as e:
         return [str(e)]
     return config_problems(sizes, {name: e.shape for name, e in entries.items()})
+
+
+def check_folder(folder: Path) -> list[str]:
+    """check_artifact for a folder with a *quant_model_description.json (an artifact), else check_source."""
+    folder = Path(folder)
+    if folder.is_dir() and any(p.name.endswith("quant_model_description.json") for p in folder.iterdir()):
+        return check_artifact(folder)
+    return check_source(folder)
+
+
+def check_source(src: Path) -> list[str]:
+    """Every problem of the BF16 source folder `src` that convert and the loader would refuse (config.json, index,
+    shard headers, tensors against the config: convert.source's rules, all of them listed rather than the first),
+    and every engine rule it breaks (empty when it conforms). Files may lie in a hub cache's blobs, as for
+    convert."""
+    src = Path(src)
+    if not src.is_dir():
+        return [f"{src}: not a folder"]
+    problems: list[str] = []
+    blobs = hub_cache_blobs(src)
+    config = _load_json(src / CONFIG_NAME, problems, blobs) if (src / CONFIG_NAME).exists() else None
+    if config is None and not (src / CONFIG_NAME).exists():
+        problems.append(f"{CONFIG_NAME} is missing")
+    sizes = None
+    if config is not None:
+        model_type = config.get("model_type")
+        if not isinstance(model_type, str) or model_type not in QWEN35_MODEL_TYPES:
+            problems.append(f"{CONFIG_NAME}: unknown model_type {shown_value(model_type)} (npuport converts "
+                            f"{', '.join(sorted(QWEN35_MODEL_TYPES))})")
+        try:
+            sizes = ModelConfig.from_dict(config, CONFIG_NAME)
+        except NpuportError as e:
+            problems.append(str(e))
+    if (src / SOURCE_INDEX_NAME).exists():
+        entries = _read_shards(src, problems, SOURCE_INDEX_NAME, strict=False, also_inside=blobs)
+    elif (src / SINGLE_NAME).exists():
+        entries = _single_shard(src, problems, blobs)
+    else:
+        entries = {}
+        problems.append(f"neither {SOURCE_INDEX_NAME} nor {SINGLE_NAME} found")
+    if sizes is not None and entries:
+        problems += config_problems(sizes, {name: e.shape for name, e in entries.items()})
+    if config is not None:
+        problems += engine_problems(src, config, {name: e.shape for name, e in entries.items()})
+    return problems
+
+
+def _single_shard(src: Path, problems: list[str], blobs: Path | None) -> dict[str, TensorEntry]:
+    try:
+        found, _ = read_header(file_inside(src, SINGLE_NAME, "the folder", ArtifactError, also_inside=blobs))
+    except NpuportError as e:
+        problems.append(_relative(e, src))
+        return {}
+    return dict(found)
 
 
 def _check_quantized(module: str, entries: dict[str, TensorEntry], desc: dict, reader: MappedShards,
@@ -131,6 +202,8 @@ def check_artifact(art: Path) -> list[str]:
     entries = _read_shards(art, problems)
     if config is not None and entries:
         problems += _config_problems(config, entries)
+    if config is not None:
+        problems += engine_problems(art, config, {name: e.shape for name, e in entries.items()})
     desc = _load_json(descs[0], problems) if len(descs) == 1 else None
     if desc is None:
         return problems

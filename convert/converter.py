@@ -28,10 +28,11 @@ from npuport.convert.ascend_writer import (
     write_shards,
 )
 from npuport.convert.check import check_artifact
+from npuport.convert.engine_rules import engine_problems
 from npuport.convert.plan import Plan, Unit, build_plan
 from npuport.convert.recipe import Recipe, checked_part_file_size, default_recipe_path, load_recipe
 from npuport.convert.source import INDEX_NAME, SourceCheckpoint, open_source
-from npuport.errors import ArtifactError, NpuportError
+from npuport.errors import ArtifactError, CheckpointError, NpuportError
 from npuport.output_folder import GB, MANIFEST_NAME, MANIFEST_TOOL, OutputFolder
 
 
@@ -104,6 +105,10 @@ def convert_qwen35(
     folder = OutputFolder(out, NpuportError, log)
     folder.prepare({"source": src}, force)
     source = open_source(src)
+    broken = engine_problems(src, source.config, {name: tuple(e.shape) for name, e in source.entries.items()})
+    if broken:  # the artifact would break them too: say so now, not after the whole conversion
+        raise CheckpointError(f"{src} breaks rules the serving engines assert, and its artifact would too:\n  "
+                              + "\n  ".join(broken))
     recipe = load_recipe(recipe_path or default_recipe_path(source.is_moe), allow_unsupported=skip_unsupported)
     for note in recipe.notes:
         log(f"recipe: {note}")

@@ -197,19 +197,23 @@ def convert_cmd(src: Path, out: Path, a8w8: bool, recipe_path: Path | None, forc
 
 
 @main.command("check")
-@click.argument("artifact", type=click.Path(path_type=Path, exists=True, file_okay=False))
-def check_cmd(artifact: Path) -> None:
-    """Check ARTIFACT against the W8A8 checkpoint contract; list every violation, exit 1 if any. Then warn of what
-    serving engines are known to do with an artifact like it (npuport's table of engine facts, each with its
-    workaround and source)."""
-    from npuport.convert.check import check_artifact
-    from npuport.convert.engine_facts import artifact_labels, facts_for
+@click.argument("folder", type=click.Path(path_type=Path, exists=True, file_okay=False))
+def check_cmd(folder: Path) -> None:
+    """Check FOLDER, a W8A8 artifact or a BF16 Qwen3.5 source; list every violation, one line each, and exit 1 if
+    any. An artifact (it has a quant_model_description.json) is checked against the W8A8 checkpoint contract; a
+    source as convert-qwen35 checks it (config, index, shard headers, every tensor against the config). Both against
+    the engine rules: what vLLM, sglang and transformers assert of a Qwen3.5 config and folder (rotary and M-RoPE
+    sizes, heads, layer kinds, tokenizer, vision tokens, processor files; docs/ENGINE_RULES.md). Then warn of what
+    serving engines are known to do with a folder like it (npuport's table of engine facts, each with its workaround
+    and source)."""
+    from npuport.convert.check import check_folder
+    from npuport.convert.engine_facts import folder_facts
 
-    problems = check_artifact(artifact)
+    problems = check_folder(folder)
     if not problems:
-        for fact in facts_for(artifact_labels(artifact), "breaks"):
+        for fact in folder_facts(folder, "breaks"):
             click.echo(f"warning: {fact.warning()}")
-    _report_problems(artifact, problems)
+    _report_problems(folder, problems)
 
 
 @main.command("demo")
@@ -297,11 +301,17 @@ def generate_cmd(model: Path, texts: tuple[str, ...], id_prompts: tuple[str, ...
 
 
 # The GSM8K protocol names and defaults: a standard-library module, cheap to import with the command line.
-from npuport.runtime.validation.gsm8k import DEFAULT_PROTOCOL, LM_EVAL_SEED, MAX_NEW_TOKENS, PROTOCOLS  # noqa: E402
+from npuport.runtime.validation.gsm8k import (  # noqa: E402
+    DEFAULT_PROTOCOL,
+    LM_EVAL_MAX_NEW_TOKENS,
+    LM_EVAL_SEED,
+    MAX_NEW_TOKENS,
+    PROTOCOLS,
+)
 
 
 @main.command("validate")
-@click.argument("artifact", type=click.Path(path_type=Path, exists=True, file_okay=False))
+@click.argument("artifact", type=click.Path(path_type=Path, exists=True, file_okay=False), required=False)
 @click.option("--gsm8k", "gsm8k", is_flag=True, required=True, help="Run GSM8K (the benchmark validate runs).")
 @click.option("--protocol", type=click.Choice(PROTOCOLS), default=DEFAULT_PROTOCOL, show_default=True,
               help="Whose GSM8K conventions: prompts, scored questions, stop strings, answer extraction.")
@@ -310,8 +320,9 @@ from npuport.runtime.validation.gsm8k import DEFAULT_PROTOCOL, LM_EVAL_SEED, MAX
                    "with npuport.")
 @click.option("--num-questions", type=click.IntRange(min=1), default=None, help="Default: every question.")
 @click.option("--shots", type=click.IntRange(min=0), default=None, help="Default: 5 (aisbench: 0).")
-@click.option("--max-new-tokens", type=click.IntRange(min=1), default=MAX_NEW_TOKENS, show_default=True,
-              help="Per question; also per request in the throughput runs.")
+@click.option("--max-new-tokens", type=click.IntRange(min=1), default=None,
+              help=f"Per question; also per request in the throughput runs. Default: the protocol's own, "
+                   f"{MAX_NEW_TOKENS} (lm-eval: {LM_EVAL_MAX_NEW_TOKENS}).")
 @click.option("--batch-size", type=click.IntRange(min=1), default=16, show_default=True,
               help="Questions per generate call on the built-in runtime; the throughput runs use one such batch.")
 @click.option("--mtp", type=click.IntRange(0, MAX_DRAFTS), default=0, show_default=True,
@@ -324,9 +335,26 @@ from npuport.runtime.validation.gsm8k import DEFAULT_PROTOCOL, LM_EVAL_SEED, MAX
                    "fidelity.")
 @click.option("--endpoint", metavar="URL", help="Run the artifact on an OpenAI-compatible server (/v1/completions) "
               "instead of the built-in runtime; throughput is then not measured, and fidelity comes from the "
-              "servers' log-probabilities. ARTIFACT is still read here: its tokenizer renders chat prompts, and the "
-              "report's checksum is taken over its files.")
-@click.option("--endpoint-model", metavar="NAME", help="The model name to send (default: ARTIFACT as given).")
+              "servers' log-probabilities. ARTIFACT, when given, is still read here: its tokenizer renders chat "
+              "prompts and tokenizes fidelity's prompts, and the report's checksum is taken over its files; without "
+              "it give --tokenizer (no checksum is then taken).")
+@click.option("--endpoint-model", metavar="NAME",
+              help="The model name to send (default: the one model the server lists, else ARTIFACT as given).")
+@click.option("--tokenizer", "tokenizer", type=click.Path(path_type=Path, exists=True, file_okay=False),
+              help="With --endpoint: a folder with the model's tokenizer files (tokenizer.json, "
+                   "tokenizer_config.json), used instead of ARTIFACT's; then ARTIFACT may be left out.")
+@click.option("--repeat", type=click.IntRange(min=1), default=1, show_default=True,
+              help="Answer the questions N times (on --endpoint or the built-in runtime) and report the share of "
+                   "completions identical to run 1's, per later run; accuracy and the rest are run 1's.")
+@click.option("--mtp-reference-endpoint", metavar="URL",
+              help="With --endpoint: the same model served without MTP; the same greedy requests are sent to it and "
+                   "the share of completions identical to --endpoint's reported (does speculative decoding change the "
+                   "engine's greedy output?).")
+@click.option("--mtp-reference-endpoint-model", metavar="NAME",
+              help="The model name to send to --mtp-reference-endpoint (default: the one model it lists).")
+@click.option("--compare-without-mtp", is_flag=True, default=False,
+              help="With --mtp K on the built-in runtime: answer the questions once more without MTP (same model, "
+                   "batches and kernels) and report the share of identical completions.")
 @click.option("--reference-endpoint", metavar="URL",
               help="The BF16 reference on an OpenAI-compatible server instead of --reference: the same GSM8K run on "
                    "it, the paired difference, and fidelity from log-probabilities (echo + logprobs where the "
@@ -337,7 +365,7 @@ from npuport.runtime.validation.gsm8k import DEFAULT_PROTOCOL, LM_EVAL_SEED, MAX
               help="Log-probabilities per position asked of a server for fidelity (the OpenAI API gives at most 5; "
                    "vLLM and npuport serve 20).")
 @click.option("--api-key", envvar=["NPUPORT_API_KEY", "OPENAI_API_KEY"], show_envvar=True, default=None,
-              help="Sent as 'Authorization: Bearer KEY' to --endpoint and --reference-endpoint (prefer the "
+              help="Sent as 'Authorization: Bearer KEY' to every endpoint given (prefer the "
                    "environment variables: a command line is visible to other users of the machine).")
 @click.option("--parallel", type=click.IntRange(min=1), default=16, show_default=True,
               help="Requests in flight to --endpoint.")
@@ -363,10 +391,14 @@ from npuport.runtime.validation.gsm8k import DEFAULT_PROTOCOL, LM_EVAL_SEED, MAX
 @click.option("--chat-template-kwargs", metavar="JSON", default=None,
               help='For aisbench\'s chat prompt, e.g. \'{"enable_thinking": false}\'.')
 @click.option("--out", "out", type=click.Path(path_type=Path), default=None,
-              help="Report folder (default: ./validation-<ARTIFACT folder name>).")
-def validate_cmd(artifact: Path, gsm8k: bool, protocol: str, data: Path | None, num_questions: int | None,
-                 shots: int | None, max_new_tokens: int, batch_size: int, mtp: int, seed: int, reference: Path | None,
-                 endpoint: str | None, endpoint_model: str | None, reference_endpoint: str | None,
+              help="Report folder (default: ./validation-<ARTIFACT folder name>, without ARTIFACT "
+                   "./validation-endpoint).")
+def validate_cmd(artifact: Path | None, gsm8k: bool, protocol: str, data: Path | None, num_questions: int | None,
+                 shots: int | None, max_new_tokens: int | None, batch_size: int, mtp: int, seed: int,
+                 reference: Path | None,
+                 endpoint: str | None, endpoint_model: str | None, tokenizer: Path | None, repeat: int,
+                 mtp_reference_endpoint: str | None, mtp_reference_endpoint_model: str | None,
+                 compare_without_mtp: bool, reference_endpoint: str | None,
                  reference_endpoint_model: str | None, fidelity_top_k: int, api_key: str | None, parallel: int,
                  timeout_s: float,
                  retries: int,
@@ -376,8 +408,10 @@ def validate_cmd(artifact: Path, gsm8k: bool, protocol: str, data: Path | None, 
                  out: Path | None) -> None:
     """Validate the W8A8 ARTIFACT: GSM8K accuracy, and with --reference (or --reference-endpoint) the paired
     difference and fidelity against the BF16 source; throughput and MTP acceptance; report.json, report.md, plots
-    and completions.jsonl. Either side may run on a server (--endpoint, --reference-endpoint). Exits 1 when a gate
-    fails."""
+    and completions.jsonl. Either side may run on a server (--endpoint, --reference-endpoint). ARTIFACT (the model's
+    folder) is needed unless the model runs on --endpoint and --tokenizer names its tokenizer. --repeat and
+    --mtp-reference-endpoint / --compare-without-mtp measure whether greedy output is deterministic. Exits 1 when a
+    gate fails."""
     from npuport.jsonfile import parse_json
     from npuport.runtime.several_devices import check_split, on_devices
     from npuport.runtime.validation.validate import ValidateOptions, run_validation
@@ -393,17 +427,22 @@ def validate_cmd(artifact: Path, gsm8k: bool, protocol: str, data: Path | None, 
                               fidelity_questions, throughput, max_accuracy_drop, min_acceptance, template_kwargs,
                               batch_invariant, reference_endpoint=reference_endpoint,
                               reference_endpoint_model=reference_endpoint_model, fidelity_top_k=fidelity_top_k,
-                              dispatch=dispatch, api_key=api_key)
+                              dispatch=dispatch, api_key=api_key, tokenizer=tokenizer, repeat=repeat,
+                              mtp_reference_endpoint=mtp_reference_endpoint,
+                              mtp_reference_endpoint_model=mtp_reference_endpoint_model,
+                              compare_without_mtp=compare_without_mtp)
+    options.check()
     if devices > 1 and endpoint:
         raise NpuportError("--devices splits the built-in runtime's model; with --endpoint the server runs it")
-    for model in (artifact, reference) if reference is not None else (artifact,):
-        check_split(model, devices)
+    for model in (artifact, reference):
+        if model is not None:
+            check_split(model, devices)
     if devices == 1 and (not endpoint or reference is not None):  # the built-in runtime runs here: check it first
         from npuport.runtime.selftest.run import quiet_selftest
 
         quiet_selftest(device)
-    outcome = on_devices(run_validation, (options, out or Path(f"validation-{artifact.resolve().name}"),
-                                          echo_to_stderr), devices, device)
+    default_out = Path(f"validation-{artifact.resolve().name if artifact is not None else 'endpoint'}")
+    outcome = on_devices(run_validation, (options, out or default_out, echo_to_stderr), devices, device)
     if outcome is None:  # a torchrun rank other than 0: rank 0 reports
         return
     files = outcome.files
@@ -422,10 +461,21 @@ def validate_cmd(artifact: Path, gsm8k: bool, protocol: str, data: Path | None, 
 @click.option("--host", default="127.0.0.1", show_default=True,
               help="Loopback by default (::1 for IPv6); 0.0.0.0 or :: serves every network the machine is on (a "
                    "warning says so; see --api-key).")
-@click.option("--served-model-name", default=None, help="The name clients send as `model` (default: MODEL as given).")
+@click.option("--served-model-name", default=None,
+              help="The name /v1/models lists and answers carry (default: the MODEL folder's own name). Requests may "
+                   "also name the model by MODEL's path, as given or resolved.")
 @mtp_option
 @click.option("--max-batch-size", type=click.IntRange(min=1), default=16, show_default=True,
-              help="Rows (prompts x n) generated together: requests in flight share a batch up to this many.")
+              help="Rows (prompts x n) generated together: requests in flight share a batch up to this many. A "
+                   "batch's float rounding follows its shape (the prefill's GEMMs and chunks, the kernels a step "
+                   "picks), so a greedy answer in a batch may differ in a late token from the same request alone; "
+                   "--batch-invariant rules that out.")
+@click.option("--batch-invariant/--no-batch-invariant", default=None,
+              help="Every answer bit for bit the one its request gets alone: each row generated in a call of its "
+                   "own (requests wait for each other instead of sharing a batch), on batch-invariant steps where "
+                   "the Triton kernels run. --no-batch-invariant: also MTP's verify steps on the fast kernels "
+                   "(greedy MTP output may then differ from greedy output). Default: batching, and batch-invariant "
+                   "steps with --mtp on one GPU/NPU.")
 @click.option("--max-tokens-limit", type=click.IntRange(min=1), default=4096, show_default=True,
               help="The largest max_tokens a request may ask for (the model's context bounds it as well).")
 @click.option("--max-prompt-tokens", type=click.IntRange(min=1), default=32768, show_default=True,
@@ -450,12 +500,17 @@ def validate_cmd(artifact: Path, gsm8k: bool, protocol: str, data: Path | None, 
 @devices_option
 @dtype_option
 @dispatch_option
-@click.option("--quiet", is_flag=True, help="Do not log each request.")
+@click.option("--shutdown-timeout", "shutdown_timeout_s", type=click.FloatRange(min=0), default=5.0,
+              show_default=True, help="On Ctrl-C or SIGTERM, seconds the requests in flight have to finish before "
+                                      "they are cancelled.")
+@click.option("--quiet", is_flag=True,
+              help="Do not log each request (else one line each: time, client, method, path, status, latency, "
+                   "prompt/completion tokens).")
 def serve_cmd(model: Path, port: int, host: str, served_model_name: str | None, mtp: int, max_batch_size: int,
-              max_tokens_limit: int, max_prompt_tokens: int, header_timeout_s: float, request_timeout_s: float,
-              max_connections: int, max_pending_connections: int, allow_client_chat_template: bool,
-              api_key: str | None, device: str | None, devices: int, dtype: str, dispatch: str | None,
-              quiet: bool) -> None:
+              batch_invariant: bool | None, max_tokens_limit: int, max_prompt_tokens: int, header_timeout_s: float,
+              request_timeout_s: float, max_connections: int, max_pending_connections: int,
+              allow_client_chat_template: bool, api_key: str | None, device: str | None, devices: int, dtype: str,
+              dispatch: str | None, shutdown_timeout_s: float, quiet: bool) -> None:
     """Serve MODEL (a W8A8 artifact or BF16 source) on the built-in runtime as an OpenAI-compatible endpoint:
     POST /v1/completions and /v1/chat/completions (logprobs, echo, n, stream; prompts as text or token ids; chat
     through the model's own template), GET /v1/models and /health. Requests in flight are batched together: one
@@ -477,8 +532,9 @@ def serve_cmd(model: Path, port: int, host: str, served_model_name: str | None, 
                          allow_client_chat_template=allow_client_chat_template)
     serve = functools.partial(
         serve_model, model, host=host, port=port, served_model=served_model_name, device=device, dtype=dtype,
-        mtp=mtp, dispatch=dispatch, max_batch_size=max_batch_size, limits=limits, api_key=api_key, announce=click.echo,
-        log=None if quiet else echo_to_stderr, warn=echo_to_stderr)
+        mtp=mtp, dispatch=dispatch, max_batch_size=max_batch_size, batch_invariant=batch_invariant, limits=limits,
+        api_key=api_key, announce=click.echo, log=None if quiet else echo_to_stderr, warn=echo_to_stderr,
+        shutdown_timeout_s=shutdown_timeout_s)
     on_devices(serve, (), devices, device)
 
 
@@ -500,23 +556,48 @@ def selftest_cmd(device: str | None, quick: bool, out: Path) -> None:
         sys.exit(1)
 
 
+# The training data names and the arithmetic sets' sizes: a torch-free module, cheap to import with the command line.
+from npuport.fixtures.arithmetic import TEST_PROBLEMS, TRAIN_PROBLEMS, TRAINING_DATA  # noqa: E402
+
+
+@main.command("make-arithmetic")
+@click.argument("out", type=click.Path(path_type=Path))
+@click.option("--seed", type=int, default=0, show_default=True)
+@click.option("--train", "train", type=click.IntRange(min=1), default=TRAIN_PROBLEMS, show_default=True,
+              help="Problems in train.jsonl.")
+@click.option("--test", "test", type=click.IntRange(min=1), default=TEST_PROBLEMS, show_default=True,
+              help="Problems in test.jsonl, none of whose questions is in train.jsonl.")
+def make_arithmetic_cmd(out: Path, seed: int, train: int, test: int) -> None:
+    """Write grade-school arithmetic word problems in GSM8K's format (train.jsonl, test.jsonl) to the new folder
+    OUT; `validate --data OUT` runs them. The defaults write the set shipped with npuport (the demo's questions)."""
+    from npuport.fixtures.arithmetic import write_arithmetic
+
+    write_arithmetic(out, seed, train, test)
+    click.echo(f"wrote {out}: {train} training and {test} test problems (seed {seed})")
+
+
 @main.command("train-tiny")
 @click.argument("out", type=click.Path(path_type=Path))
 @click.option("--size", type=click.Choice(["tiny", "small"]), default="tiny", show_default=True,
-              help="tiny: a few MB, minutes on 2 CPU cores; small: ~100M parameters, minutes on one GPU.")
+              help="tiny: a few MB, 24.6M tokens, minutes on one GPU (on 2 CPU cores the better part of an hour); "
+                   "small: ~100M parameters, minutes on one GPU.")
 @click.option("--arch", type=click.Choice(["dense", "moe"]), default="dense", show_default=True)
 @click.option("--seed", type=int, default=0, show_default=True)
 @click.option("--steps", type=click.IntRange(min=1), default=None, help="Optimizer steps (default: the preset's).")
 @device_option
 @click.option("--threads", type=click.IntRange(min=1), default=2, show_default=True,
               help="CPU threads while training; the weights depend on it.")
+@click.option("--data", type=click.Choice(TRAINING_DATA), default="both", show_default=True,
+              help="gsm8k: GSM8K's train split; arithmetic: the shipped arithmetic word problems in GSM8K's format "
+                   "(what a model this small learns to solve); both: one shuffled stream of the two.")
 @click.option("--quiet", is_flag=True, help="No progress bar.")
 def train_tiny_cmd(out: Path, size: str, arch: str, seed: int, steps: int | None, device: str | None, threads: int,
-                   quiet: bool) -> None:
-    """Train a small Qwen3.5 and its MTP head on GSM8K train text; write it BF16 to OUT (make-tiny's layout)."""
+                   data: str, quiet: bool) -> None:
+    """Train a small Qwen3.5 and its MTP head on GSM8K train text and arithmetic word problems; write it BF16 to
+    OUT (make-tiny's layout)."""
     from npuport.fixtures.train_tiny import TrainSpec, train_tiny
 
-    result = train_tiny(out, TrainSpec(size, arch, seed, steps, threads), device, show_progress=not quiet,
+    result = train_tiny(out, TrainSpec(size, arch, seed, steps, threads, data), device, show_progress=not quiet,
                         log=lambda m: click.echo(m, err=True))
     click.echo(f"wrote {out}: {result.steps} steps ({result.tokens / 1e6:.1f}M tokens) in {result.seconds:.0f} s; "
                f"final loss {result.target_loss:.3f}, MTP loss {result.mtp_loss:.3f}")

@@ -1,4 +1,5 @@
-"""`npuport check` passes a converted artifact and names each contract violation planted in a copy."""
+"""`npuport check` passes a converted artifact and a make-tiny source, names each contract violation planted in a
+copy of the artifact, lists every problem of a broken source, and holds both to the engine rules."""
 
 from __future__ import annotations
 
@@ -13,7 +14,7 @@ from safetensors import safe_open
 from safetensors.torch import save_file
 
 from npuport.cli import main
-from npuport.convert.check import check_artifact
+from npuport.convert.check import check_artifact, check_folder, check_source
 from npuport.convert.converter import convert_qwen35
 
 DESC = "quant_model_description.json"
@@ -132,3 +133,61 @@ def _all(art: Path) -> dict[str, torch.Tensor]:
         with safe_open(str(art / shard), "pt") as f:
             out.update({k: f.get_tensor(k) for k in f.keys()})
     return out
+
+
+# --- BF16 sources, and the engine rules on both ---------------------------------------------------------------
+
+
+def test_a_make_tiny_source_passes(tiny_checkpoints):
+    for kind, src in tiny_checkpoints.items():
+        assert check_folder(src) == [], kind
+    result = CliRunner().invoke(main, ["check", str(tiny_checkpoints["moe-multimodal-fused"])])
+    assert result.exit_code == 0 and result.output.rstrip().endswith(": OK"), result.output
+
+
+def test_a_broken_source_lists_every_violation(tiny_checkpoints, tmp_path):
+    src = tmp_path / "src"
+    shutil.copytree(tiny_checkpoints["dense-multimodal"], src)
+
+    def break_two_rules(config):
+        config["text_config"]["rope_parameters"]["mrope_section"] = [11, 11, 10]  # the published models' split
+        config["text_config"]["intermediate_size"] = 96  # the tensors have 192
+
+    edit_json(src / "config.json", break_two_rules)
+    (src / "preprocessor_config.json").unlink()
+    problems = check_source(src)
+    head_dim, factor = 32, 0.25  # the tiny preset's full-attention head and Qwen3.5's rotated share of it
+    assert any(p.startswith("config.json: text_config.rope_parameters.mrope_section [11, 11, 10] sums to 32, not "
+                            f"rotary_dim // 2 = {int(head_dim * factor) // 2}") for p in problems), problems
+    assert any("mlp.gate_proj.weight has shape [192, 64]" in p and "intermediate_size=96" in p for p in problems)
+    assert any(p.startswith("preprocessor_config.json: missing") for p in problems), problems
+    layers = json.loads((src / "config.json").read_text())["text_config"]["num_hidden_layers"] + 1  # and the MTP's
+    assert len(problems) == 2 + 3 * layers, problems  # one per engine rule, one per MLP projection of each layer
+    result = CliRunner().invoke(main, ["check", str(src)])
+    assert result.exit_code == 1
+    assert [line for line in result.output.splitlines() if line.startswith("FAIL ")] == [f"FAIL {p}" for p in problems]
+
+
+def test_a_source_without_weights_or_config_is_named(tmp_path):
+    (tmp_path / "empty").mkdir()
+    assert check_source(tmp_path / "empty") == ["config.json is missing",
+                                                 "neither model.safetensors.index.json nor model.safetensors found"]
+
+
+def test_an_artifact_is_held_to_the_engine_rules(art):
+    edit_json(art / "config.json", lambda c: c["text_config"].update(full_attention_interval=2))
+    problems = check_artifact(art)
+    assert len(problems) == 1 and problems[0].startswith("config.json: text_config.layer_types[1]"), problems
+    assert problems[0].endswith("[engine rule full-attention-interval]")
+    result = CliRunner().invoke(main, ["check", str(art)])
+    assert result.exit_code == 1 and "full_attention_interval 2" in result.output
+
+
+def test_the_processor_files_travel_from_source_to_artifact_and_release(tiny_checkpoints, artifact, tmp_path):
+    src = tiny_checkpoints["moe-multimodal-fused"]
+    release = tmp_path / "release"
+    result = CliRunner().invoke(main, ["package", str(artifact), "--out", str(release), "--force"])
+    assert result.exit_code == 0, result.output
+    for name in ("preprocessor_config.json", "video_preprocessor_config.json", "tokenizer.json"):
+        assert (artifact / name).read_bytes() == (src / name).read_bytes(), name
+        assert (release / name).read_bytes() == (src / name).read_bytes(), name

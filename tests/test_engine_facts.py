@@ -48,9 +48,40 @@ def test_conditions_meet_the_artifacts_they_describe():
     moe_float = {target_experts: "FLOAT", mtp_experts: "FLOAT", "model.layers.0.self_attn.q_proj.weight":
                  "W8A8_DYNAMIC"}
     no_mtp = {"model.layers.0.mlp.up_proj.weight": "W8A8_DYNAMIC"}
-    meets = {name: [CONDITIONS[name](labels) for labels in (moe, dense, moe_float, no_mtp)] for name in CONDITIONS}
+    label_conditions = ("float_mtp_experts_beside_int8_experts", "quantized_target_with_mtp")
+    meets = {name: [CONDITIONS[name](labels, {}) for labels in (moe, dense, moe_float, no_mtp)]
+             for name in label_conditions}
     assert meets == {"float_mtp_experts_beside_int8_experts": [True, False, False, False],
                      "quantized_target_with_mtp": [True, True, True, False]}
+
+
+def text_config(key_dim: int, value_dim: int, dtype: str = "bfloat16") -> dict:
+    return {"text_config": {"linear_key_head_dim": key_dim, "linear_value_head_dim": value_dim, "dtype": dtype}}
+
+
+@pytest.mark.parametrize(("config", "head_dims", "dtype"), [
+    (text_config(64, 64), False, False),
+    (text_config(128, 128), False, False),
+    (text_config(32, 32), True, False),  # the shape vLLM's CPU build refused
+    (text_config(64, 128), True, False),  # key and value head dims must be equal there
+    (text_config(128, 128, "float16"), False, True),
+    ({"linear_key_head_dim": 16, "linear_value_head_dim": 16, "torch_dtype": "float32"}, True, True),
+])
+def test_vllm_cpu_conditions_meet_bf16_sources_by_their_config(config, head_dims, dtype):
+    bf16_source, artifact = {}, {"model.layers.0.mlp.up_proj.weight": "W8A8_DYNAMIC"}
+    assert CONDITIONS["bf16_source_gdn_head_dims_outside_vllm_cpu_kernels"](bf16_source, config) is head_dims
+    assert CONDITIONS["bf16_source_declares_another_dtype"](bf16_source, config) is dtype
+    assert not CONDITIONS["bf16_source_gdn_head_dims_outside_vllm_cpu_kernels"](artifact, config)
+    assert not CONDITIONS["bf16_source_declares_another_dtype"](artifact, config)
+
+
+def test_check_warns_a_source_of_vllm_cpu_kernel_limits(tiny_checkpoints):
+    # the tiny preset's GatedDeltaNet head dims are 16: vLLM's CPU kernels take 64 and 128
+    result = CliRunner().invoke(main, ["check", str(tiny_checkpoints["dense-text"])])
+    assert result.exit_code == 0, result.output
+    warning = next(line for line in result.output.splitlines() if line.startswith("warning: vllm "))
+    assert "64 and 128" in warning and "fla.cpp" in warning and "workaround:" in warning
+    assert result.output.rstrip().endswith(": OK")
 
 
 def test_check_warns_of_what_the_engines_do_with_a_moe_artifact(tiny_artifacts):

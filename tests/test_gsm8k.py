@@ -2,11 +2,18 @@
 
 from __future__ import annotations
 
+import inspect
+import json
 import random
+from pathlib import Path
 
 import pytest
+import yaml
+from click.testing import CliRunner
 
+from npuport.cli import main
 from npuport.errors import NpuportError
+from npuport.fixtures.train_tiny import trained_tiny_path
 from npuport.runtime.validation.gsm8k import (
     AISBENCH_INSTRUCTION,
     AISBenchProtocol,
@@ -23,6 +30,7 @@ from npuport.runtime.validation.gsm8k import (
     load_records,
     make_protocol,
 )
+from npuport.runtime.validation.validate import ValidateOptions
 
 # Hand-written records: (question, solution); golds 18, 1000, -3, 5, 18, 7
 RECORDS = [
@@ -192,7 +200,7 @@ def test_lm_eval_shots_come_from_train_with_one_generator_seeded_1234():
     # question i gets the same shots whatever N is
     assert LMEvalProtocol(RECORDS, train).prompts(2) == prompts[:2]
     assert LMEvalProtocol(RECORDS, train, seed=1235).prompts(2) != prompts[:2]
-    assert protocol.stop == ("Question:",)
+    assert protocol.stop == ("Question:", "</s>", "<|im_end|>")  # lm-eval gsm8k.yaml's `until`
 
 
 def test_aisbench_prompt_without_and_with_the_artifacts_chat_template(tmp_path):
@@ -314,3 +322,43 @@ def test_result_carries_no_throughput_unless_given():
     result = AISBenchProtocol(RECORDS).score(["answer: 18"])
     assert result.latency_s is None and result.output_throughput is None
     assert result.to_dict()["scores"][0]["correct"] == [True]
+
+
+# --- lm-eval's own generation defaults ----------------------------------------------------------------------
+
+def _lm_eval_gsm8k_task() -> dict:
+    """lm-evaluation-harness's own gsm8k task config, as installed."""
+    import lm_eval
+
+    return yaml.safe_load((Path(lm_eval.__file__).parent / "tasks" / "gsm8k" / "gsm8k.yaml").read_text())
+
+
+def _lm_eval_default_max_gen_toks() -> int:
+    """The new-token limit lm-eval's API models use when a task sets none (its TemplateAPI's max_gen_toks)."""
+    from lm_eval.models.api_models import TemplateAPI
+
+    return inspect.signature(TemplateAPI.__init__).parameters["max_gen_toks"].default
+
+
+def test_lm_eval_protocol_generates_as_lm_evals_gsm8k_task_does():
+    task = _lm_eval_gsm8k_task()
+    assert "max_gen_toks" not in task["generation_kwargs"]  # so lm-eval's default applies
+    protocol = make_protocol("lm-eval")
+    assert list(protocol.stop) == task["generation_kwargs"]["until"]
+    assert protocol.max_new_tokens == _lm_eval_default_max_gen_toks()
+    assert make_protocol("lm-eval", max_new_tokens=40).max_new_tokens == 40
+    assert make_protocol("sglang").max_new_tokens == 512  # sglang's script: VALIDATION.md
+
+
+def test_validate_without_max_new_tokens_takes_the_protocols_default(tmp_path):
+    """`npuport validate --protocol lm-eval` with no --max-new-tokens: lm-eval's 256 and its stop strings, in the
+    report's settings; the sglang protocol keeps 512."""
+    result = CliRunner().invoke(main, ["validate", "--gsm8k", str(trained_tiny_path()), "--protocol", "lm-eval",
+                                       "--num-questions", "1", "--batch-size", "1", "--dtype", "float32",
+                                       "--device", "cpu", "--no-throughput", "--out", str(tmp_path)])
+    assert result.exit_code == 0, result.output
+    settings = json.loads((tmp_path / "report.json").read_text())["settings"]
+    assert settings["max_new_tokens"] == _lm_eval_default_max_gen_toks()
+    assert settings["stop"] == _lm_eval_gsm8k_task()["generation_kwargs"]["until"]
+    assert ValidateOptions(Path("a"), protocol="sglang").max_new_tokens == 512
+    assert ValidateOptions(Path("a"), protocol="lm-eval", max_new_tokens=9).max_new_tokens == 9

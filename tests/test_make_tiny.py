@@ -88,3 +88,23 @@ def test_the_shipped_models_mrope_sections_sum_to_its_rotated_frequencies():
     config = json.loads((trained_tiny_path() / "config.json").read_text())["text_config"]
     rope = config["rope_parameters"]
     assert sum(rope["mrope_section"]) == int(config["head_dim"] * rope["partial_rotary_factor"]) // 2
+
+
+def test_vision_tokens_follow_the_text_tokens_without_moving_one(tiny_checkpoints, tmp_path):
+    """The four vision tokens Qwen's processor writes are appended as special tokens: every text token keeps the id
+    the plain trained tokenizer gives it, and config.json names the appended ids."""
+    from npuport.fixtures.tiny_checkpoint import TOKENIZER_VOCAB
+    from npuport.fixtures.tiny_tokenizer import write_tokenizer
+
+    write_tokenizer(tmp_path, TOKENIZER_VOCAB)
+    plain = AutoTokenizer.from_pretrained(tmp_path).get_vocab()
+    path = tiny_checkpoints["dense-multimodal"]
+    written = AutoTokenizer.from_pretrained(path).get_vocab()
+    config = json.loads((path / "config.json").read_text())
+    vision = {config[k]: t for k, t in [("image_token_id", "<|image_pad|>"), ("video_token_id", "<|video_pad|>"),
+                                         ("vision_start_token_id", "<|vision_start|>"),
+                                         ("vision_end_token_id", "<|vision_end|>")]}
+    assert {t: i for t, i in written.items() if i not in vision} == plain
+    assert {i: t for t, i in written.items() if i in vision} == vision
+    assert sorted(vision) == list(range(len(plain), len(plain) + 4))
+    assert config["text_config"]["vocab_size"] == len(written)

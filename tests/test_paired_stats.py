@@ -77,6 +77,21 @@ def test_wilson_interval_holds_its_accuracy_and_is_exact_at_none_and_all_correct
     assert wilson_interval([False] * n)[0] == 0.0 and wilson_interval([True] * n)[1] == 1.0
 
 
+@pytest.mark.parametrize(("n", "confidence", "z"), [(10, 0.95, 1.959963984540054), (37, 0.90, 1.6448536269514722)])
+def test_wilson_interval_is_the_closed_form_and_exact_at_none_and_all_correct(n, confidence, z):
+    """Wilson's closed form with z written out (the normal quantile of 1 - alpha/2, from a table): bounds
+    (p + z^2/2n -+ z sqrt(p(1-p)/n + z^2/4n^2)) / (1 + z^2/n); at 0 and at n correct the closed form gives 0 and 1
+    exactly, which the floats must not miss."""
+    for k in range(n + 1):
+        p = k / n
+        centre, spread = p + z * z / (2 * n), z * (p * (1 - p) / n + z * z / (4 * n * n)) ** 0.5
+        expected = ((centre - spread) / (1 + z * z / n), (centre + spread) / (1 + z * z / n))
+        low, high = wilson_interval([True] * k + [False] * (n - k), confidence)
+        assert (low, high) == (pytest.approx(expected[0], abs=1e-12), pytest.approx(expected[1], abs=1e-12)), k
+    assert wilson_interval([False] * n, confidence)[0] == 0.0  # closed form: (z^2/2n - z^2/2n) / ... = 0
+    assert wilson_interval([True] * n, confidence)[1] == 1.0  # closed form: (1 + z^2/n) / (1 + z^2/n) = 1
+
+
 def test_compare_paired_reports_candidate_minus_reference():
     ref, cand = _pairs(both=80, only_ref=2, only_cand=10, neither=8)
     c = compare_paired(ref, cand, seed=0, resamples=500)

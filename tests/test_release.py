@@ -59,7 +59,7 @@ def silent(_: str) -> None:
     pass
 
 
-def make_report(out: Path, gate_passed: bool = True) -> Path:
+def make_report(out: Path, gate_passed: bool = True, mtp_k: int | None = 3) -> Path:
     protocol = AISBenchProtocol(RECORDS)
     candidate = protocol.score(CANDIDATE, latency_s=4.0, completion_tokens=200)
     reference = protocol.score(REFERENCE)
@@ -71,8 +71,8 @@ def make_report(out: Path, gate_passed: bool = True) -> Path:
         throughput=[ThroughputRun("no MTP", mtp=False, batch_size=1, decode_tokens_per_s=20.0),
                     ThroughputRun("MTP k=3", mtp=True, batch_size=1, decode_tokens_per_s=45.0,
                                   num_speculative_tokens=3)],
-        mtp=MTPAcceptance(num_speculative_tokens=3, mean_acceptance_length=2.5, per_position=[0.85, 0.46, 0.19],
-                          num_rounds=120),
+        mtp=None if mtp_k is None else MTPAcceptance(num_speculative_tokens=mtp_k, mean_acceptance_length=2.5,
+                                                     per_position=[0.85, 0.46, 0.19][:mtp_k], num_rounds=120),
         gates=[Gate("max-accuracy-drop 1.0 points", gate_passed, "W8A8 -20.00 vs BF16")])
     return write_report(report, out).json
 
@@ -180,6 +180,28 @@ def test_card_renders_as_markdown_with_table_and_serving_commands(release: Path)
                  "--speculative-algorithm NEXTN", "--speculative-num-steps 3", "--speculative-eagle-topk 1",
                  "--speculative-num-draft-tokens 4", "--speculative-draft-model-quantization unquant"):
         assert flag in sglang
+
+
+def _serving_section(card: str) -> str:
+    return card.split("## Serving", 1)[1].split("\n## ", 1)[0]
+
+
+def test_card_serves_with_the_draft_tokens_the_report_validated(inputs: dict[str, Path], tmp_path: Path) -> None:
+    """Validated with k=2: the card's commands draft 2 tokens (sglang: 2 steps, 3 draft tokens), whatever a
+    constant says; a report without MTP gives no number, only the variable K to set."""
+    for k in (2, None):
+        report = make_report(tmp_path / f"report-{k}", mtp_k=k)
+        validated = json.loads(report.read_text(encoding="utf-8")).get("mtp")
+        assert (validated or {}).get("num_speculative_tokens") == k
+        serving = _serving_section(card_of(package_release(inputs["artifact"], tmp_path / f"release-{k}", report,
+                                                           log=silent)))
+        if k is None:
+            assert '"num_speculative_tokens":\'"$K"\'' in serving and "--speculative-num-steps $K " in serving
+            assert "--speculative-num-draft-tokens $((K + 1))" in serving and "measured no MTP" in serving
+            continue
+        assert f'"num_speculative_tokens":{k}}}' in serving and "(2 draft tokens, as validated" in serving
+        assert f"--speculative-num-steps {k} " in serving and f"--speculative-num-draft-tokens {k + 1} " in serving
+        assert "3 draft tokens" not in serving and "num_speculative_tokens\":3" not in serving
 
 
 def test_card_explains_the_ignore_list_by_reason_and_how_it_was_made(release: Path) -> None:

@@ -98,7 +98,9 @@ def test_the_library_client_reads_the_server(runner):
 @pytest.mark.parametrize(("payload", "status", "message"), [
     ({"model": "other", "prompt": "x"}, 404, "is not served here"),
     ({"prompt": 5}, 400, "'prompt' must be"),
-    ({"prompt": "x", "stream": True, "logprobs": 2}, 400, "not streamed"),
+    ({"prompt": "x", "stream": True, "echo": True}, 400, "not streamed"),
+    ({"prompt": "x", "presence_penalty": 0.5, "tools": [{"type": "function"}]}, 400,
+     "'presence_penalty', 'tools' are not implemented"),
     ({"prompt": "x", "n": 17}, 400, "'n' is 17"),
     ({"prompt": ["x"] * 10, "n": 16}, 400, "make 160 completions"),
     ({"prompt": "x", "logprobs": 21}, 400, "'logprobs' is 21"),

@@ -7,6 +7,11 @@ on the same questions and model: the same text, the same extracted answer and th
 from __future__ import annotations
 
 import json
+import os
+import re
+import shlex
+import subprocess
+import sys
 from pathlib import Path
 
 import lm_eval
@@ -15,6 +20,7 @@ import pytest
 from click.testing import CliRunner
 from lm_eval.tasks import TaskManager
 
+import npuport
 from npuport.cli import main
 from npuport.fixtures.train_tiny import trained_tiny_path
 from npuport.runtime.serving.serve import make_server
@@ -103,3 +109,49 @@ def test_lm_evaluation_harness_gsm8k_scores_as_validate_does(runner, tmp_path, m
                     p if p is not None else "[invalid]" for p in score["predictions"]]
         assert [bool(s["exact_match"]) for s in theirs] == score["correct"]
         assert results["results"][task][f"exact_match,{score['name']}"] == score["accuracy"]
+
+
+def readme_lm_eval_command() -> list[str]:
+    """The lm_eval command of the README's "lm-eval against npuport serve" section, as argv."""
+    readme = (Path(npuport.__file__).parent.parent / "README.md").read_text()
+    section = readme.split("### lm-eval against npuport serve", 1)[1].split("\n#", 1)[0]
+    [line] = [line for line in section.splitlines() if line.startswith("lm_eval ")]
+    return shlex.split(line)
+
+
+def lm_eval_scores(table: str, task: str) -> dict[str, float]:
+    """filter name -> exact_match, from the results table lm_eval prints."""
+    scores, in_task = {}, False
+    for row in table.splitlines():
+        cells = [c.strip() for c in row.strip().strip("|").split("|")]
+        if len(cells) < 7 or cells[4] != "exact_match":
+            continue
+        in_task = cells[0] == task or (in_task and cells[0] == "")
+        if in_task:
+            scores[cells[2]] = float(cells[6])
+    return scores
+
+
+def test_the_readmes_lm_eval_command_runs_against_serve_and_scores_as_validate(runner, tmp_path):
+    """The README's lm_eval command, as written but for the server's address (this test's server listens on a
+    free port), run from the repository's root against `npuport serve`'s server: its scores are those of
+    `validate --protocol lm-eval` on the same questions."""
+    command = readme_lm_eval_command()
+    root = Path(npuport.__file__).parent.parent
+    limit = int(command[command.index("--limit") + 1])
+    with running(make_server(runner, "tiny-trained")) as url:
+        argv = [re.sub(r"http://127\.0\.0\.1:8000", url, arg) for arg in command]
+        argv[0] = str(Path(sys.executable).parent / argv[0])
+        env = {**os.environ, "HF_HUB_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1", "OMP_NUM_THREADS": "1",
+               "HF_DATASETS_CACHE": str(tmp_path / "datasets")}
+        ran = subprocess.run(argv, cwd=root, env=env, capture_output=True, text=True, timeout=1200)
+    assert ran.returncode == 0, ran.stderr[-3000:]
+    theirs = lm_eval_scores(ran.stdout, "gsm8k_local")
+    ours = CliRunner().invoke(main, ["validate", "--gsm8k", str(trained_tiny_path()), "--protocol", "lm-eval",
+                                     "--num-questions", str(limit), "--max-new-tokens", "256", "--dtype", "float32",
+                                     "--batch-size", "1", "--device", "cpu", "--no-throughput",
+                                     "--out", str(tmp_path / "validate")])
+    assert ours.exit_code == 0, ours.output
+    report = json.loads((tmp_path / "validate" / "report.json").read_text())["gsm8k"][0]["candidate"]
+    assert set(theirs) == {"strict-match", "flexible-extract"}, ran.stdout
+    assert theirs == {s["name"]: pytest.approx(s["accuracy"], abs=5e-5) for s in report["scores"]}

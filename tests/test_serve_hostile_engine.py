@@ -300,9 +300,9 @@ def test_a_request_whose_client_left_is_logged_as_cancelled_not_as_a_dropped_con
                 assert client.recv(1)  # the stream has begun
         assert until(lambda: server.service.batcher.in_flight == 0), "the request whose client left still runs"
         assert until(lambda: any("cancelled" in line for line in logs))
-    request_line = '"POST /v1/completions HTTP/1.1"'
-    assert [line for line in logs if "cancelled" in line] == [f"127.0.0.1 {request_line} cancelled: the client "
-                                                              "went away"]
+    [line] = [line for line in logs if "cancelled" in line]
+    assert line.split(" ", 1)[1].startswith("127.0.0.1 POST /v1/completions cancelled ")
+    assert line.endswith(": the client went away")
     assert reports == []
 
 

@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from npuport.convert.converter import convert_qwen35
-from npuport.fixtures.tiny_checkpoint import PRESETS, TinySpec, full_config, make_tiny, tensor_shapes
+from npuport.fixtures.tiny_checkpoint import TinySpec, full_config, make_tiny, tensor_shapes, write_metadata
 from npuport.fixtures.train_tiny import TrainSpec, checkpoint_values, new_model, train_tiny, trained_tiny_path
 from npuport.runtime.config import ModelConfig
 from npuport.runtime.generate import generate
@@ -78,7 +78,8 @@ def test_checkpoint_holds_the_trained_weights(arch, tmp_path):
     """What train-tiny writes (make-tiny's multimodal layout, experts fused) loads back as the model's own
     parameters rounded to BF16."""
     spec = TinySpec(arch=arch, size=TrainSpec().recipe.model_size)
-    vocab = PRESETS[spec.size].vocab_size
+    (tmp_path / "metadata").mkdir()
+    vocab = write_metadata(tmp_path / "metadata", spec)["text_config"]["vocab_size"]  # vision tokens included
     model = new_model(ModelConfig.from_dict(full_config(spec, vocab, 2, 0)), seed=3, device=torch.device("cpu"))
     names = [name for name, _ in tensor_shapes(spec, vocab)]
     path = make_tiny(tmp_path / arch, spec, weights=checkpoint_values(model, names))

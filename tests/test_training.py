@@ -107,3 +107,26 @@ def test_each_epoch_holds_every_record_once_in_a_seeded_order():
     assert all(piece in records for piece in pieces)
     assert len({piece[0] for piece in pieces}) == len(pieces)
     assert len(pieces) >= len(records) - (stream_len - len(epoch))  # only the cut-off tail may be missing
+
+
+def test_the_tokenizer_file_reads_text_as_transformers_and_the_engines_do(tmp_path):
+    """make-tiny's tokenizer.json, read by the `tokenizers` library, gives the ids transformers' Qwen3.5 tokenizer
+    (what the runtime and the engines load) gives - numbers included, which Qwen3.5 splits into digits. Trained
+    on other pre-tokens, "15" was one token in training and two digits at inference."""
+    from tokenizers import Tokenizer
+
+    from npuport.fixtures.arithmetic import arithmetic_train_records
+    from npuport.fixtures.tiny_checkpoint import TinySpec, write_metadata
+    from npuport.fixtures.train_tiny import encode_records
+
+    write_metadata(tmp_path, TinySpec(size="trained-tiny"))
+    engine = load_tokenizer(tmp_path)
+    library = Tokenizer.from_file(str(tmp_path / "tokenizer.json"))
+    texts = [f"Question: {r.question}\nAnswer: {r.answer}" for r in load_records(split="test")[:50]]
+    texts.append("Café costs $1,234.56 for 15 items, i.e. 82.3 each.\n\n")
+    for text in texts:
+        assert library.encode(text).ids == engine.encode(text), text
+    assert engine.tokenize(" 15") == ["Ġ", "1", "5"]
+    records, _ = encode_records(engine, "arithmetic")
+    first = arithmetic_train_records()[0]
+    assert records[0] == library.encode(f"Question: {first.question}\nAnswer: {first.answer}").ids

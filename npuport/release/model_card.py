@@ -23,7 +23,6 @@ from npuport.runtime.validation.gsm8k import PROTOCOLS
 
 FORCED_MARK = "WARNING: packaged with --force"
 TAGS = ("npuport", "w8a8", "int8", "msmodelslim", "ascend", "vllm-ascend", "sglang", "mtp")
-NUM_SPECULATIVE_TOKENS = 3
 SHORT_CHECKSUM = 12  # hex digits of a checksum shown in messages and on the card
 VERIFY_PROVES = ("`npuport verify-release` proves that every file is the one packaged (`SHA256SUMS`), that the "
                  "report's figures were measured on these weights and configs (the `artifact_checksum` it records, "
@@ -33,7 +32,8 @@ VERIFY_CANNOT_PROVE = ("It cannot prove who made the release: whoever can change
                        "`SHA256SUMS`, the report and this card to match. Only a signature over `SHA256SUMS` with a "
                        "key you trust ties the release to its publisher.")
 
-# CONTRACT.md, "Serving an artifact": the MTP head drafts 3 tokens; sglang runs it unquantized.
+# CONTRACT.md, "Serving an artifact": the MTP head drafts k tokens (the card's k is the validation report's);
+# sglang runs it unquantized.
 VLLM_ASCEND_COMMAND = ("vllm serve {model} --quantization ascend "
                        "--speculative-config '{{\"method\":\"qwen3_5_mtp\",\"num_speculative_tokens\":{k}}}'")
 SGLANG_COMMAND = ("python -m sglang.launch_server --model-path {model} --device npu --attention-backend ascend "
@@ -222,21 +222,35 @@ def _table(header: list[str], rows: list[list[str]]) -> list[str]:
         + ["| " + " | ".join(row) + " |" for row in rows] + [""]
 
 
-def serving_commands(model: str, k: int = NUM_SPECULATIVE_TOKENS) -> dict[str, str]:
-    """The commands that serve `model` with MTP speculative decoding (k draft tokens), by engine."""
+def serving_commands(model: str, k: int | None) -> dict[str, str]:
+    """The commands that serve `model` with MTP speculative decoding (k draft tokens), by engine; k None: the
+    shell variable K in its place."""
+    if k is None:
+        return {"vllm-ascend": VLLM_ASCEND_COMMAND.format(model=model, k="'\"$K\"'"),
+                "sglang": SGLANG_COMMAND.format(model=model, k="$K", k_plus_1="$((K + 1))")}
     return {"vllm-ascend": VLLM_ASCEND_COMMAND.format(model=model, k=k),
             "sglang": SGLANG_COMMAND.format(model=model, k=k, k_plus_1=k + 1)}
 
 
+def validated_draft_tokens(report: dict[str, Any] | None) -> int | None:
+    """The MTP draft tokens per round the validation report measured acceptance with; None when it measured none."""
+    mtp = (report or {}).get("mtp")
+    return mtp.get("num_speculative_tokens") if isinstance(mtp, dict) else None
+
+
 def _serving(facts: CardFacts) -> list[str]:
+    k = validated_draft_tokens(facts.report)
+    drafts = (f"{k} draft tokens, as validated: `validation/report.json`, `mtp.num_speculative_tokens`" if k is not None
+              else "K draft tokens: set K first; the validation report measured no MTP, so `npuport validate --mtp K` "
+              "the artifact before relying on it")
     lines = ["## Serving", "",
-             f"With MTP speculative decoding ({NUM_SPECULATIVE_TOKENS} draft tokens); add the engine's parallelism "
+             f"With MTP speculative decoding ({drafts}); add the engine's parallelism "
              "flags (e.g. `--tensor-parallel-size`, `--tp-size`) for the number of NPUs. The MTP head is BF16 in "
              "this release: vllm-ascend reads that from `quant_model_description.json`, sglang needs "
              "`--speculative-draft-model-quantization unquant`.", ""]
     labels = {name: label for name, label in facts.description.items() if isinstance(label, str)}
     known = facts_for(labels)
-    for engine, command in serving_commands(f"./{facts.release_name}").items():
+    for engine, command in serving_commands(f"./{facts.release_name}", k).items():
         lines += [f"{engine}:", "", "```bash", command, "```", ""]
         mine = [f for f in known if f.engine == engine]
         loads = [f for f in mine if f.kind == "loads"]

@@ -7,8 +7,7 @@ from dataclasses import dataclass, replace
 from typing import Any
 
 from npuport.jsonfile import JSONFieldError, JSONFields
-from npuport.runtime.validation.report import FULL_KL
-from npuport.runtime.validation.report_markdown import THROUGHPUT_COLUMNS
+from npuport.runtime.validation.report import FULL_KL, THROUGHPUT_COLUMNS
 
 HEADING = "## Measured results"
 MISSING = "–"

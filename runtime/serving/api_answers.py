@@ -20,11 +20,10 @@ def token_texter(decode_one: TokenText, as_ids: bool) -> TokenText:
     return (lambda t: f"{TOKEN_ID_PREFIX}{t}") if as_ids else decode_one
 
 
-def completion_logprobs(positions: Sequence[PositionLogprobs], texter: TokenText) -> dict:
+def completion_logprobs(positions: Sequence[PositionLogprobs], texter: TokenText, offset: int = 0) -> dict:
     """The `logprobs` object of a /v1/completions choice: tokens, their log-probabilities, top-k as {token:
-    log-probability}, each token's offset in the text."""
+    log-probability}, each token's offset in the text (the first's: `offset`, e.g. of a stream chunk's token)."""
     tokens, token_logprobs, top, offsets = [], [], [], []
-    offset = 0
     for position in positions:
         text = texter(position.token)
         offsets.append(offset)
@@ -110,14 +109,16 @@ class ChunkMaker:
         return {"id": self.id, "object": kind, "created": self.created, "model": self.served_model,
                 "choices": choices, **(extra or {})}
 
-    def text(self, index: int, text: str, finish_reason: str | None = None) -> dict:
+    def text(self, index: int, text: str, finish_reason: str | None = None, logprobs: dict | None = None) -> dict:
+        """A chunk of choice `index`: its next piece of text, with the log-probabilities of the token it carries
+        (completions' or chat's object for that one token; None: not asked for, or no token)."""
         if not self.chat:
-            return self._wrap([{"index": index, "text": text, "logprobs": None, "finish_reason": finish_reason}])
+            return self._wrap([{"index": index, "text": text, "logprobs": logprobs, "finish_reason": finish_reason}])
         delta: dict[str, str] = {} if index in self._started else {"role": "assistant"}
         self._started.add(index)
         if text or not delta:
             delta["content"] = text
-        return self._wrap([{"index": index, "delta": delta, "logprobs": None, "finish_reason": finish_reason}])
+        return self._wrap([{"index": index, "delta": delta, "logprobs": logprobs, "finish_reason": finish_reason}])
 
     def usage(self, prompt_tokens: int, completion_tokens: int) -> dict:
         return self._wrap([], {"usage": usage(prompt_tokens, completion_tokens)})

@@ -4,6 +4,7 @@ errors it answers. No HTTP here (http_handler.py) and no model (service.py): pla
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import math
 from collections.abc import Sequence
@@ -14,7 +15,7 @@ from typing import Any
 from npuport.runtime.completion import MAX_TOP_LOGPROBS
 from npuport.runtime.sampling import SamplingParams
 
-DEFAULT_MAX_TOKENS = 16  # the OpenAI API's default for /v1/completions
+DEFAULT_MAX_TOKENS = 16  # the OpenAI API's (and vLLM's) default for /v1/completions; chat's is the context's room
 DEFAULT_TEMPERATURE = 1.0  # likewise; clients that want greedy send temperature 0
 MAX_PROMPTS = 128  # prompts in one request's list: each costs a tokenization and a slot in a batch
 MAX_CHOICES = 16  # `n`: completions per prompt (each a row of the batch)
@@ -30,6 +31,19 @@ RENDERER_ARGUMENTS = frozenset({
     "sanitize_control_tokens"})
 SEED_RANGE = (-(1 << 63), (1 << 64) - 1)  # what torch.Generator.manual_seed takes
 SHOWN_CHARS = 100  # of a client's own text (a path, a model name) quoted back in an error
+# Fields of the OpenAI API (and vLLM's sampling extras) that this server does not implement -> the values that ask
+# for nothing (what the field's absence means): a request giving any other value is refused, naming the fields,
+# rather than answered as if the field were not there. Fields that only describe the request (`user`, `metadata`,
+# `store`, `service_tier`, `prompt_cache_key`, `safety_identifier`) change no answer and are accepted.
+NEUTRAL_VALUES: dict[str, tuple[Any, ...]] = {
+    "frequency_penalty": (0,), "presence_penalty": (0,), "repetition_penalty": (1,), "logit_bias": ({},),
+    "tools": ([],), "tool_choice": ("none",), "parallel_tool_calls": (True, False), "functions": ([],),
+    "function_call": ("none",), "response_format": ({"type": "text"},), "suffix": ("",), "best_of": (1,),
+    "audio": (), "modalities": (["text"],), "prediction": (), "reasoning_effort": (), "web_search_options": (),
+    "top_k": (-1, 0), "min_p": (0,), "min_tokens": (0,), "ignore_eos": (False,), "stop_token_ids": ([],),
+    "use_beam_search": (False,), "length_penalty": (1,), "include_stop_str_in_output": (False,),
+    "skip_special_tokens": (True,), "guided_json": (), "guided_regex": (), "guided_choice": (), "guided_grammar": (),
+    "structured_outputs": (), "logits_processors": ()}
 
 
 class RequestError(Exception):
@@ -85,7 +99,10 @@ class Generation:
     """What every kind of request asks of the model: how many tokens, when to stop, how to sample, how many
     choices per prompt, log-probabilities (top-k per token, None: none), and whether to stream; and the most
     tokens its prompts may have (`max_prompt_tokens`, the server's limit; None: only the model's context), for
-    the check once they are tokenized (`check_prompt_tokens`)."""
+    the check once they are tokenized (`check_prompt_tokens`). `to_context`: max_tokens was not asked for, and is
+    the server's limit - generation goes as far as the model's context leaves room for, at most that
+    (`within_context`), where an asked-for max_tokens beyond the room is refused. max_tokens 0 (with echo): the
+    prompt is scored, nothing generated."""
 
     max_tokens: int
     stop: list[str]
@@ -96,6 +113,7 @@ class Generation:
     include_usage: bool = False  # stream_options.include_usage: a last chunk with the usage
     tokens_as_ids: bool = False  # vLLM's return_tokens_as_token_ids: tokens spelled `token_id:N`
     max_prompt_tokens: int | None = None
+    to_context: bool = False
 
 
 @dataclass(frozen=True)
@@ -116,11 +134,31 @@ class ChatRequest:
     template_field: str | None = None
 
 
-def _check_model(body: dict[str, Any], served_model: str) -> None:
+def _check_model(body: dict[str, Any], served_model: str, aliases: Sequence[str]) -> None:
+    """`model`: absent, the served name, or one of its aliases (the MODEL path as the server was started with)."""
     model = body.get("model")
-    if model is not None and model != served_model:
+    if model is not None and model != served_model and model not in aliases:
         raise RequestError(HTTPStatus.NOT_FOUND, f"model {shown(str(model))!r} is not served here; this server "
                                                  f"serves {served_model!r}", "model", "model_not_found")
+
+
+def _is_neutral(value: Any, neutral: tuple[Any, ...]) -> bool:
+    """Whether `value` is null or one of `neutral` (a boolean only as itself: false is no penalty of 0)."""
+    def same(n: Any) -> bool:
+        return value is n if isinstance(n, bool) or isinstance(value, bool) else value == n
+
+    return value is None or any(same(n) for n in neutral)
+
+
+def check_unsupported(body: dict[str, Any]) -> None:
+    """Refuse a request that asks for what this server does not implement (NEUTRAL_VALUES: penalties, tools,
+    response formats, logit bias, ...), naming every such field; their neutral values are accepted."""
+    asked = [name for name, neutral in NEUTRAL_VALUES.items() if name in body and not _is_neutral(body[name], neutral)]
+    if asked:
+        names = ", ".join(f"'{name}'" for name in asked)
+        raise RequestError(HTTPStatus.BAD_REQUEST, f"{names} {'is' if len(asked) == 1 else 'are'} not implemented by "
+                           "this server; leave them out (or give their neutral value)", asked[0],
+                           "unsupported_parameter")
 
 
 def _token_ids(value: Any) -> bool:
@@ -163,15 +201,20 @@ def _prompts(body: dict[str, Any], max_prompt_tokens: int) -> list[Prompt]:
 
 
 def _generation(body: dict[str, Any], max_tokens_limit: int, max_prompt_tokens: int, prompts: int,
-                max_tokens_names: Sequence[str], logprobs: int | None) -> Generation:
+                max_tokens_names: Sequence[str], logprobs: int | None, default_max_tokens: int | None,
+                echo: bool = False) -> Generation:
+    """The generation a body asks for. default_max_tokens: max_tokens when the body gives none (None: up to the
+    context's room, at most max_tokens_limit); 0 is taken with echo alone (the prompt scored, as vLLM does)."""
     stop = _field(body, "stop", (str, list), [])
     stop = [stop] if isinstance(stop, str) else stop
     if not all(isinstance(s, str) and s for s in stop) or len(stop) > MAX_STOP_STRINGS:
         raise refuse("stop", f"'stop' must be a string or a list of at most {MAX_STOP_STRINGS} non-empty strings")
     name = next((n for n in max_tokens_names if body.get(n) is not None), max_tokens_names[0])
-    max_tokens = _field(body, name, (int,), DEFAULT_MAX_TOKENS)
-    if max_tokens < 1:
-        raise refuse(name, f"'{name}' is {max_tokens}; need {name} >= 1")
+    to_context = body.get(name) is None and default_max_tokens is None
+    max_tokens = _field(body, name, (int,), max_tokens_limit if to_context else default_max_tokens)
+    if max_tokens < (0 if echo else 1):
+        raise refuse(name, f"'{name}' is {max_tokens}; need {name} >= 1 (0 only with echo: the prompt scored, "
+                           "nothing generated)")
     if max_tokens > max_tokens_limit:
         raise refuse(name, f"'{name}' is {max_tokens}, more than this server's limit of {max_tokens_limit} "
                            "(npuport serve --max-tokens-limit)")
@@ -192,27 +235,29 @@ def _generation(body: dict[str, Any], max_tokens_limit: int, max_prompt_tokens: 
     options = _field(body, "stream_options", (dict,), {})
     if options and not stream:
         raise refuse("stream_options", "'stream_options' is only for stream: true")
-    if stream and logprobs is not None:
-        raise refuse("logprobs", "log-probabilities are not streamed by this server; ask without stream")
     return Generation(max_tokens, list(stop), SamplingParams(temperature, top_p, seed), n, logprobs, stream,
                       bool(options.get("include_usage")), _field(body, "return_tokens_as_token_ids", (bool,), False),
-                      max_prompt_tokens)
+                      max_prompt_tokens, to_context)
 
 
-def parse_completion_request(body: Any, served_model: str, max_tokens_limit: int, *,
-                             max_prompt_tokens: int) -> CompletionRequest:
+def parse_completion_request(body: Any, served_model: str, max_tokens_limit: int, *, max_prompt_tokens: int,
+                             aliases: Sequence[str] = ()) -> CompletionRequest:
     """A /v1/completions body: `prompt` (see _prompts; token ids at most max_prompt_tokens), `max_tokens` (1 to
-    max_tokens_limit), `temperature`, `top_p`, `seed`, `stop`, `n`, `stream` (+ `stream_options.include_usage`),
-    `echo`, `logprobs` (0 to MAX_TOP_LOGPROBS), `model` (absent or the served name). Other fields are ignored, as
-    the engines ignore unknown ones. The model's context (`check_context`) and max_prompt_tokens
-    (`check_prompt_tokens`) are checked again once the prompts are tokenized."""
+    max_tokens_limit, DEFAULT_MAX_TOKENS when absent; 0 with echo: the prompt's log-probabilities alone),
+    `temperature`, `top_p`, `seed`, `stop`, `n`, `stream` (+ `stream_options.include_usage`), `echo`, `logprobs`
+    (0 to MAX_TOP_LOGPROBS), `model` (absent, the served name or an alias). Fields of the API this server does not
+    implement are refused unless neutral (check_unsupported); others are ignored, as the engines ignore unknown
+    ones. The model's context (`check_context`) and max_prompt_tokens (`check_prompt_tokens`) are checked again
+    once the prompts are tokenized."""
     if not isinstance(body, dict):
         raise RequestError(HTTPStatus.BAD_REQUEST, "the body must be a JSON object")
-    _check_model(body, served_model)
+    _check_model(body, served_model, aliases)
+    check_unsupported(body)
     prompts = _prompts(body, max_prompt_tokens)
     logprobs = _bounded_int(body, "logprobs", None, 0, MAX_TOP_LOGPROBS)
-    generation = _generation(body, max_tokens_limit, max_prompt_tokens, len(prompts), ("max_tokens",), logprobs)
     echo = _field(body, "echo", (bool,), False)
+    generation = _generation(body, max_tokens_limit, max_prompt_tokens, len(prompts), ("max_tokens",), logprobs,
+                             DEFAULT_MAX_TOKENS, echo)
     if echo and generation.stream:
         raise refuse("echo", "'echo' is not streamed by this server; ask without stream")
     return CompletionRequest(prompts, generation, echo)
@@ -270,14 +315,17 @@ def _template_kwargs(body: dict[str, Any], allow_chat_template: bool) -> tuple[d
 
 
 def parse_chat_request(body: Any, served_model: str, max_tokens_limit: int, *, max_prompt_tokens: int,
-                       allow_chat_template: bool = False) -> ChatRequest:
-    """A /v1/chat/completions body: `messages` (at most MAX_MESSAGES), `max_completion_tokens` or `max_tokens`,
+                       allow_chat_template: bool = False, aliases: Sequence[str] = ()) -> ChatRequest:
+    """A /v1/chat/completions body: `messages` (at most MAX_MESSAGES), `max_completion_tokens` or `max_tokens`
+    (absent: as far as the model's context leaves room for, at most max_tokens_limit, as OpenAI and vLLM do),
     `logprobs` (true/false) with `top_logprobs` (0 to MAX_TOP_LOGPROBS), `chat_template_kwargs` (see
     _template_kwargs; the request's own template only with allow_chat_template), and the fields completions take
-    (`n`, `stop`, `stream`, sampling). The rendered prompt is checked against max_prompt_tokens once tokenized."""
+    (`n`, `stop`, `stream`, sampling, `model`, unimplemented fields refused). The rendered prompt is checked
+    against max_prompt_tokens once tokenized."""
     if not isinstance(body, dict):
         raise RequestError(HTTPStatus.BAD_REQUEST, "the body must be a JSON object")
-    _check_model(body, served_model)
+    _check_model(body, served_model, aliases)
+    check_unsupported(body)
     messages = body.get("messages")
     if not isinstance(messages, list) or not messages or len(messages) > MAX_MESSAGES:
         raise refuse("messages", f"'messages' must be a list of 1 to {MAX_MESSAGES} messages")
@@ -287,9 +335,18 @@ def parse_chat_request(body: Any, served_model: str, max_tokens_limit: int, *, m
     if top is not None and not wants:
         raise refuse("top_logprobs", "'top_logprobs' needs 'logprobs': true")
     generation = _generation(body, max_tokens_limit, max_prompt_tokens, 1, ("max_completion_tokens", "max_tokens"),
-                             (top or 0) if wants else None)
+                             (top or 0) if wants else None, None)
     kwargs, template_field = _template_kwargs(body, allow_chat_template)
     return ChatRequest(messages, generation, kwargs, template_field)
+
+
+def within_context(generation: Generation, prompt_ids: Sequence[Sequence[int]], context_tokens: int) -> Generation:
+    """`generation` with a max_tokens it did not ask for (to_context) cut to the room the model's context leaves
+    after its longest prompt (at least 1: a prompt that fills the context is refused by check_context)."""
+    if not generation.to_context:
+        return generation
+    room = context_tokens - max(map(len, prompt_ids))
+    return dataclasses.replace(generation, max_tokens=max(1, min(generation.max_tokens, room)))
 
 
 def check_context(prompt_ids: list[list[int]], max_tokens: int, context_tokens: int, vocab: int) -> None:

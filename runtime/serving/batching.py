@@ -14,7 +14,13 @@ request whose client went away (Job.cancel) ends its rows at their next stop che
 
 A request with a seed runs in calls of its own, in rounds of ROUND_TOKENS whether or not others wait, round r
 drawing from the seed and r: its draws then do not depend on what else was waiting. The log-probabilities a request
-asks for are computed by the same worker after the call, so the model is never used by two threads.
+asks for are computed by the same worker after the call, so the model is never used by two threads; a row of
+max_tokens 0 (a prompt scored, echo) takes no call, only its log-probabilities.
+
+Batch-invariant (`invariant`): every row runs in a call of its own and never gives way, so that its answer is the
+one it gets alone, bit for bit - a batch's rows share a prefill whose float rounding follows the batch (its GEMMs'
+shapes, its chunk width), and a resumed row prefills again what it had decoded. Requests then wait for each other
+instead of sharing a batch.
 """
 
 from __future__ import annotations
@@ -28,7 +34,7 @@ from collections.abc import Callable, Sequence
 from concurrent.futures import Future
 from dataclasses import dataclass, field
 
-from npuport.runtime.completion import CANCELLED, Completion
+from npuport.runtime.completion import CANCELLED, LENGTH, Completion
 from npuport.runtime.sampling import SamplingParams
 from npuport.runtime.text_completions import RuntimeCompletions, TextRequest, TextResult
 from npuport.runtime.token_logprobs import PositionLogprobs
@@ -99,39 +105,52 @@ def round_seed(seed: int, round_: int) -> int:
 
 class RequestBatcher:
     """The worker thread and its line over `runner`: calls of at most `max_rows` rows that give way to waiting
-    requests after `round_tokens` tokens."""
+    requests after `round_tokens` tokens; with `invariant`, calls of one row that never give way (see above)."""
 
-    def __init__(self, runner: RuntimeCompletions, max_rows: int, round_tokens: int = ROUND_TOKENS) -> None:
-        self.runner, self.max_rows, self.round_tokens = runner, max_rows, round_tokens
+    def __init__(self, runner: RuntimeCompletions, max_rows: int, round_tokens: int = ROUND_TOKENS, *,
+                 invariant: bool = False) -> None:
+        self.runner, self.round_tokens, self.invariant = runner, round_tokens, invariant
+        self.max_rows = 1 if invariant else max_rows
         self._queue: queue.SimpleQueue[Job | None] = queue.SimpleQueue()
         self._line: list[Job] = []  # jobs with rows waiting for a call, in the order they are served
         self._closing = False
-        self._in_flight = 0
+        self._in_flight: set[Job] = set()  # submitted and not answered yet
         self._count_lock = threading.Lock()
         self.worker = threading.Thread(target=self._work, name="npuport-batcher", daemon=True)
         self.worker.start()
 
     def submit(self, job: Job) -> Future:
         with self._count_lock:
-            self._in_flight += 1
-        job.future.add_done_callback(self._answered)
+            self._in_flight.add(job)
+        job.future.add_done_callback(lambda _: self._answered(job))
         self._queue.put(job)
         return job.future
 
-    def _answered(self, _: Future) -> None:
+    def _answered(self, job: Job) -> None:
         with self._count_lock:
-            self._in_flight -= 1
+            self._in_flight.discard(job)
 
     @property
     def in_flight(self) -> int:
         """Requests submitted and not answered yet: 0 once the worker has nothing to do."""
         with self._count_lock:
-            return self._in_flight
+            return len(self._in_flight)
 
-    def close(self) -> None:
-        """Stop the worker once the jobs already queued are done."""
+    def cancel_all(self) -> int:
+        """Cancel every request in flight (their rows end at their next stop check, reported cancelled); returns
+        how many there were."""
+        with self._count_lock:
+            jobs = list(self._in_flight)
+        for job in jobs:
+            job.cancel()
+        return len(jobs)
+
+    def close(self, timeout_s: float | None = None) -> bool:
+        """Stop the worker once the jobs already queued are done (waiting at most timeout_s; None: as long as
+        they take); returns whether it stopped."""
         self._queue.put(None)
-        self.worker.join()
+        self.worker.join(timeout_s)
+        return not self.worker.is_alive()
 
     # -- the worker -------------------------------------------------------------------------------------------
 
@@ -200,11 +219,15 @@ class RequestBatcher:
                 return True
             if made < self.round_tokens:
                 return False
-            return job.sampling.seed is not None or self._wanted(jobs)
+            return job.sampling.seed is not None or (not self.invariant and self._wanted(jobs))
 
+        for job, i in [(job, i) for job, i in rows if job.next_requests[i].max_tokens == 0]:
+            self._row_ended(job, i, TextResult(Completion("", 0, LENGTH), []))  # scored, nothing to generate
+        rows = [(job, i) for job, i in rows if job.next_requests[i].max_tokens > 0]
         try:
-            self.runner.run([job.next_requests[i] for job, i in rows], sampling, on_tokens, interrupted,
-                            lambda row, result: self._row_ended(*rows[row], result))
+            if rows:
+                self.runner.run([job.next_requests[i] for job, i in rows], sampling, on_tokens, interrupted,
+                                lambda row, result: self._row_ended(*rows[row], result))
         except Exception as e:  # noqa: BLE001 - every job of the call hears of it; the worker goes on
             for job in jobs:
                 if job in self._line:

@@ -1,7 +1,8 @@
 """One connection of `npuport serve` (serve.py): its request read against deadlines and size limits - the head
 (request line and headers) within the header timeout and MAX_HEAD_BYTES, the body within the request timeout and
 MAX_BODY_BYTES - the API key checked, the request routed to the service, and the answer written: a JSON object, or
-a stream of server-sent events. Every refusal and failure is answered in the OpenAI shape."""
+a stream of server-sent events. Every refusal and failure is answered in the OpenAI shape, and every request is
+logged in one line (access_line)."""
 
 from __future__ import annotations
 
@@ -13,6 +14,7 @@ import socket
 import time
 from collections.abc import Callable
 from contextlib import AbstractContextManager
+from datetime import datetime
 from http import HTTPStatus
 from http.server import BaseHTTPRequestHandler
 from typing import Any, Protocol
@@ -43,6 +45,18 @@ class Hosting(Protocol):
     def internal_error(self, where: str, error: BaseException) -> None: ...
 
     def serving(self) -> AbstractContextManager[None]: ...
+
+
+
+def access_line(client: str, method: str, path: str, status: int | str, latency_s: float,
+                tokens: tuple[int, int] | None, note: str = "") -> str:
+    """The log line of one request: when it ended (ISO 8601, local time with its offset), the client, method, path,
+    status (or `cancelled`), latency in ms, and the prompt / completion tokens of a generation ("-" for none)."""
+    when = datetime.now().astimezone().isoformat(timespec="milliseconds")
+    used = "-" if tokens is None else f"{tokens[0]}/{tokens[1]}"
+    return (f"{when} {client} {method or '-'} {shown(path) or '-'} {status} {latency_s * 1000:.1f} ms tokens {used}"
+            + (f": {note}" if note else ""))
+
 
 MAX_BODY_BYTES = 16 * 1024 * 1024
 MAX_HEAD_BYTES = 64 * 1024  # the request line and headers: clients send a few hundred bytes
@@ -106,11 +120,28 @@ class RequestHandler(BaseHTTPRequestHandler):
         self.rfile = io.BufferedReader(self.reader)
 
     def handle_one_request(self) -> None:
+        self._started: float | None = None  # once a request line has come; then it is logged when answered
+        self._status: int | str | None = None
+        self._tokens: tuple[int, int] | None = None
+        self._note = ""
         try:
             super().handle_one_request()
         except HeadTooLarge:
             self.send_error(HTTPStatus.REQUEST_HEADER_FIELDS_TOO_LARGE,
                             f"the request line and headers are more than {MAX_HEAD_BYTES} bytes")
+        finally:
+            if self._status is not None and self.server.log is not None:
+                started = self._started if self._started is not None else time.monotonic()
+                self.server.log(access_line(self.address_string(), self.command, self.path, self._status,
+                                            time.monotonic() - started, self._tokens, self._note))
+
+    def parse_request(self) -> bool:
+        self._started = time.monotonic()
+        return super().parse_request()
+
+    def log_request(self, code: int | str = "-", size: int | str = "-") -> None:
+        """Called by send_response: the status is kept for the request's one line (handle_one_request)."""
+        self._status = code.value if isinstance(code, HTTPStatus) else code
 
     def do_GET(self) -> None:  # noqa: N802 - http.server's name
         self._respond(self._get)
@@ -140,7 +171,10 @@ class RequestHandler(BaseHTTPRequestHandler):
             client_gone = functools.partial(peer_closed, self.connection)  # its rows then stop: cancelled
             try:
                 if not prepared.generation.stream:
-                    return service.answer(prepared, client_gone=client_gone)
+                    answer = service.answer(prepared, client_gone=client_gone)
+                    usage = answer["usage"]
+                    self._tokens = usage["prompt_tokens"], usage["completion_tokens"]
+                    return answer
                 self._stream(lambda write: service.stream(prepared, write, client_gone=client_gone))
             except RequestCancelled as e:
                 self._cancelled(e.reason)
@@ -151,7 +185,7 @@ class RequestHandler(BaseHTTPRequestHandler):
         its rows ended with): the client's doing, not a failure of the connection or the server. The connection
         is closed; nothing more is written to it."""
         self.close_connection = True
-        self.log_message('"%s" %s: %s', self.requestline, CANCELLED, reason)
+        self._status, self._note = CANCELLED, reason
 
     def _prepare(self, path: str, body: Any) -> Prepared:
         """The request read against this server's limits (max_prompt_tokens travels with it, for the service to
@@ -159,10 +193,11 @@ class RequestHandler(BaseHTTPRequestHandler):
         service, limits = self.server.service, self.server.limits
         if path == "/v1/completions":
             return service.prepare_completion(parse_completion_request(
-                body, service.served_model, limits.max_tokens, max_prompt_tokens=limits.max_prompt_tokens))
+                body, service.served_model, limits.max_tokens, max_prompt_tokens=limits.max_prompt_tokens,
+                aliases=service.aliases))
         return self._prepare_chat(parse_chat_request(
             body, service.served_model, limits.max_tokens, max_prompt_tokens=limits.max_prompt_tokens,
-            allow_chat_template=limits.allow_client_chat_template))
+            allow_chat_template=limits.allow_client_chat_template, aliases=service.aliases))
 
     def _prepare_chat(self, request: ChatRequest) -> Prepared:
         """service.prepare_chat; a failure of a template the request brought is put on the request field it came
@@ -177,7 +212,7 @@ class RequestHandler(BaseHTTPRequestHandler):
             raise RequestError(e.status, f"'{request.template_field}': {failure}", request.template_field,
                                e.code) from None
 
-    def _stream(self, produce: Callable[[Callable[[bytes], None]], None]) -> None:
+    def _stream(self, produce: Callable[[Callable[[bytes], None]], tuple[int, int]]) -> None:
         """A `text/event-stream` answer, written by produce(write) as it goes; the connection closes at its end.
         A failure of the model after the stream began ends it with an error event."""
         self.close_connection = True
@@ -192,7 +227,7 @@ class RequestHandler(BaseHTTPRequestHandler):
             self.wfile.flush()
 
         try:
-            produce(write)
+            self._tokens = produce(write)
         except (TimeoutError, ConnectionError):
             raise  # the client is gone: nothing more to say to it
         except Exception as e:  # the server's fault, in the middle of a stream
@@ -274,5 +309,7 @@ class RequestHandler(BaseHTTPRequestHandler):
         self.wfile.write(payload)
 
     def log_message(self, format: str, *args: Any) -> None:
+        """http.server's other lines (a request that timed out): time-stamped as the requests' lines are."""
         if self.server.log is not None:
-            self.server.log(f"{self.address_string()} {format % args}")
+            when = datetime.now().astimezone().isoformat(timespec="milliseconds")
+            self.server.log(f"{when} {self.address_string()} {format % args}")

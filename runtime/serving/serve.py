@@ -20,7 +20,11 @@ once, and `--max-connections` requests - counted once one has arrived whole and 
 once (one more, of either kind, gets 503 at once), so clients that send nothing, or a byte at a time, never hold a
 slot that a real request needs. With `--api-key` every /v1 request needs `Authorization: Bearer <key>`. The host
 may be an IPv4 or IPv6 address or a name; a port in use is one line of error. Every error is answered in the
-OpenAI shape without the server's internals."""
+OpenAI shape without the server's internals.
+
+Ctrl-C, SIGTERM or SIGHUP stop it promptly: it stops accepting, gives the requests in flight `shutdown_timeout_s`
+to finish, cancels those still running (their rows end at their next stop check), and says so in two lines,
+"shutting down: ..." and "stopped"."""
 
 from __future__ import annotations
 
@@ -29,6 +33,7 @@ import json
 import socket
 import sys
 import threading
+import time
 import traceback
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -47,6 +52,9 @@ from npuport.runtime.text_completions import RuntimeCompletions
 DEFAULT_HOST = "127.0.0.1"
 API_KEY_ENV = "NPUPORT_API_KEY"  # npuport/cli.py names it too: the command line starts without torch
 LISTEN_BACKLOG = 128  # connections the kernel holds until accepted (each then gets a thread or a 503 at once)
+SHUTDOWN_TIMEOUT_S = 5.0  # how long requests in flight may go on once the server is told to stop
+CANCELLED_WAIT_S = 5.0  # then, how long cancelled rows may take to reach their next stop check
+
 
 def print_to_stderr(line: str) -> None:
     print(line, file=sys.stderr, flush=True)
@@ -92,7 +100,7 @@ class CompletionsServer(ThreadingHTTPServer):
 
     def __init__(self, address: tuple[str, int], runner: RuntimeCompletions, served_model: str, *,
                  limits: ServeLimits = DEFAULT_LIMITS, api_key: str | None = None, log: Log | None = None,
-                 report: Log = print_to_stderr) -> None:
+                 report: Log = print_to_stderr, aliases: tuple[str, ...] = (), invariant: bool = False) -> None:
         if api_key is not None and not api_key.strip():
             raise NpuportError("the API key is empty; give a key or none")
         self.request_queue_size = LISTEN_BACKLOG  # read by server_activate
@@ -108,7 +116,7 @@ class CompletionsServer(ThreadingHTTPServer):
             self.socket.close()
             raise NpuportError(f"cannot listen on {host_port(*address)}: {e.strerror or e}") from None
         try:
-            self.service = OpenAIService(runner, served_model, runner.batch_size)
+            self.service = OpenAIService(runner, served_model, runner.batch_size, aliases=aliases, invariant=invariant)
         except BaseException:
             self.socket.close()
             raise
@@ -123,6 +131,26 @@ class CompletionsServer(ThreadingHTTPServer):
     def server_close(self) -> None:
         super().server_close()
         self.service.close()
+
+    def stop(self, timeout_s: float = SHUTDOWN_TIMEOUT_S, say: Log = print_to_stderr) -> None:
+        """Stop serving (call after serve_forever has returned): no more connections; the requests in flight
+        have timeout_s to finish, then those still running are cancelled; says "shutting down: ..." first and
+        "stopped" once the model is idle (or, if a cancelled row does not reach its stop check in
+        CANCELLED_WAIT_S, that it stops without it)."""
+        self.socket.close()
+        batcher = self.service.batcher
+        say(f"shutting down: {batcher.in_flight} requests in flight (given {timeout_s:g} s to finish, then "
+            "cancelled)")
+        deadline = time.monotonic() + timeout_s
+        while batcher.in_flight and time.monotonic() < deadline:
+            time.sleep(0.05)
+        cancelled = batcher.cancel_all()
+        finished = batcher.close(CANCELLED_WAIT_S)
+        super().server_close()
+        if not finished:
+            say(f"stopped ({cancelled} cancelled requests still generating were left)")
+        else:
+            say(f"stopped ({cancelled} requests cancelled)" if cancelled else "stopped")
 
     @property
     def url(self) -> str:
@@ -195,33 +223,50 @@ class CompletionsServer(ThreadingHTTPServer):
 
 def make_server(runner: RuntimeCompletions, served_model: str, host: str = DEFAULT_HOST, port: int = 0,
                 log: Log | None = None, *, limits: ServeLimits = DEFAULT_LIMITS, api_key: str | None = None,
-                report: Log = print_to_stderr) -> CompletionsServer:
-    """A bound server (port 0: any free port; see `.url`); call `serve_forever()`, then `shutdown()`."""
+                report: Log = print_to_stderr, aliases: tuple[str, ...] = (),
+                invariant: bool = False) -> CompletionsServer:
+    """A bound server (port 0: any free port; see `.url`); call `serve_forever()`, then `shutdown()`. Requests
+    may name the model `served_model` or one of `aliases`; `invariant`: batch-invariant answers (batching.py)."""
     return CompletionsServer((host, port), runner, served_model, limits=limits, api_key=api_key, log=log,
-                             report=report)
+                             report=report, aliases=aliases, invariant=invariant)
+
+
+def served_names(path: Path | str, served_model: str | None) -> tuple[str, tuple[str, ...]]:
+    """The name a server of model folder `path` answers by - `served_model`, else the folder's own name (what
+    /v1/models lists) - and the names a request may also use: the path as given (and as resolved), as a server
+    that named the model by its path accepted before."""
+    name = served_model or Path(path).resolve().name
+    aliases = tuple(dict.fromkeys(a for a in (str(path), str(Path(path).resolve())) if a != name))
+    return name, aliases
 
 
 def serve_model(path: Path | str, *, host: str = DEFAULT_HOST, port: int = 0, served_model: str | None = None,
                 device: str | None = None, dtype: str = "bfloat16", mtp: int = 0, dispatch: str | None = None,
-                max_batch_size: int = 16,
+                max_batch_size: int = 16, batch_invariant: bool | None = None,
                 limits: ServeLimits = DEFAULT_LIMITS, api_key: str | None = None, announce: Log = print,
-                log: Log | None = None, warn: Log = print_to_stderr) -> None:
-    """Load the model folder `path` and serve it until interrupted (Ctrl-C). `announce` gets one line naming
-    the URL once the socket is bound (with port 0, the port the system chose); `warn` a warning when the address
-    is reachable beyond loopback, and the details of internal errors; `log` one line per request."""
+                log: Log | None = None, warn: Log = print_to_stderr,
+                shutdown_timeout_s: float = SHUTDOWN_TIMEOUT_S) -> None:
+    """Load the model folder `path` and serve it until interrupted (Ctrl-C, SIGTERM). `announce` gets one line
+    naming the URL once the socket is bound (with port 0, the port the system chose), and the shutdown's lines;
+    `warn` a warning when the address is reachable beyond loopback, and the details of internal errors; `log` one
+    line per request. batch_invariant: every answer the one its request gets alone (each row generated in a call
+    of its own, batch-invariant steps); None: off, the engine's default for the steps."""
     runner = RuntimeCompletions.load(path, device=device, dtype=dtype, batch_size=max_batch_size, mtp=mtp,
-                                     dispatch=dispatch)
-    name = served_model or str(path)
-    server = make_server(runner, name, host, port, log, limits=limits, api_key=api_key, report=warn)
+                                     dispatch=dispatch, invariant=batch_invariant)
+    name, aliases = served_names(path, served_model)
+    server = make_server(runner, name, host, port, log, limits=limits, api_key=api_key, report=warn,
+                         aliases=aliases, invariant=bool(batch_invariant))
     warning = exposure_warning(server.server_address[0], key_required=api_key is not None)
     if warning is not None:
         warn(warning)
     world = runner.model.parallel.world
     devices = f"{runner.model.device} x {world}" if world > 1 else f"{runner.model.device}"
-    announce(f"serving {path} as model {name!r} on {server.url}/v1 (device {devices}, MTP k={mtp}); Ctrl-C stops it")
+    rows = "one row per call, batch-invariant" if batch_invariant else f"batches of up to {max_batch_size} rows"
+    announce(f"serving {path} as model {name!r} on {server.url}/v1 (device {devices}, MTP k={mtp}, {rows}); "
+             "Ctrl-C stops it")
     try:
         server.serve_forever()
-    except KeyboardInterrupt:
+    except KeyboardInterrupt:  # Ctrl-C, or SIGTERM / SIGHUP as the command line raises them
         pass
     finally:
-        server.server_close()
+        server.stop(shutdown_timeout_s, announce)

@@ -24,6 +24,7 @@ from npuport.runtime.serving.api_answers import (
     Answer,
     ChunkMaker,
     StreamedText,
+    TokenText,
     chat_logprobs,
     chat_object,
     completion_logprobs,
@@ -39,9 +40,11 @@ from npuport.runtime.serving.api_requests import (
     RequestError,
     check_context,
     check_prompt_tokens,
+    within_context,
 )
 from npuport.runtime.serving.batching import Job, LogprobSpec, RequestBatcher, RowAnswer
 from npuport.runtime.text_completions import RuntimeCompletions, TextRequest
+from npuport.runtime.token_logprobs import PositionLogprobs
 
 Write = Callable[[bytes], None]
 ClientGone = Callable[[], bool]  # whether the client of a request has gone away
@@ -95,19 +98,21 @@ class Prepared:
 
 
 class OpenAIService:
-    """The served model (`runner`, named `served_model` to clients) behind a RequestBatcher of `max_rows` rows.
-    max_prompt_bytes: the most bytes of text a prompt may have to be tokenized (None: PROMPT_BYTES_PER_TOKEN for
-    each token the request's prompts may have)."""
+    """The served model (`runner`, named `served_model` to clients, who may also name it by one of `aliases`)
+    behind a RequestBatcher of `max_rows` rows (batch-invariant with `invariant`: one row per call). max_prompt_bytes:
+    the most bytes of text a prompt may have to be tokenized (None: PROMPT_BYTES_PER_TOKEN for each token the
+    request's prompts may have)."""
 
     def __init__(self, runner: RuntimeCompletions, served_model: str, max_rows: int, *,
-                 max_prompt_bytes: int | None = None) -> None:
+                 max_prompt_bytes: int | None = None, aliases: Sequence[str] = (), invariant: bool = False) -> None:
         if runner.context_tokens is None:
             raise NpuportError("the model's config.json states no max_position_embeddings; serve needs the "
                                "model's context to bound what a request may ask for")
         if max_prompt_bytes is not None and max_prompt_bytes < 1:
             raise NpuportError(f"the most bytes of a text prompt must be positive, got {max_prompt_bytes}")
         self.runner, self.served_model, self.max_prompt_bytes = runner, served_model, max_prompt_bytes
-        self.batcher = RequestBatcher(runner, max_rows)
+        self.aliases = tuple(a for a in aliases if a != served_model)
+        self.batcher = RequestBatcher(runner, max_rows, invariant=invariant)
 
     def close(self) -> None:
         self.batcher.close()
@@ -120,9 +125,9 @@ class OpenAIService:
             ids.append(self._tokenized(prompt, request.generation, f"prompt {i}", "prompt")
                        if isinstance(prompt, str) else list(prompt))
             check_prompt_tokens(ids, request.generation.max_prompt_tokens, chat=False)
-        self._check(ids, request.generation)
+        generation = self._check(ids, request.generation)
         texts = [p if isinstance(p, str) else self.runner.decode(p) for p in request.prompts] if request.echo else []
-        return Prepared(ids, texts, request.generation, chat=False, echo=request.echo)
+        return Prepared(ids, texts, generation, chat=False, echo=request.echo)
 
     def prepare_chat(self, request: ChatRequest) -> Prepared:
         try:
@@ -131,8 +136,7 @@ class OpenAIService:
             raise RequestError(HTTPStatus.BAD_REQUEST, str(e), "messages", "chat_template") from None
         ids = [self._tokenized(text, request.generation, "the rendered chat", "messages")]
         check_prompt_tokens(ids, request.generation.max_prompt_tokens, chat=True)
-        self._check(ids, request.generation)
-        return Prepared(ids, [], request.generation, chat=True)
+        return Prepared(ids, [], self._check(ids, request.generation), chat=True)
 
     def _tokenized(self, text: str, generation: Generation, what: str, param: str) -> list[int]:
         """The token ids of a text prompt (`what`, from request field `param`), refused untokenized when it has
@@ -145,8 +149,12 @@ class OpenAIService:
                                f"most {limit:,} bytes of a prompt", param, "prompt_too_long")
         return self.runner.encode(text)
 
-    def _check(self, ids: list[list[int]], generation: Generation) -> None:
+    def _check(self, ids: list[list[int]], generation: Generation) -> Generation:
+        """The generation of prompts `ids`, its max_tokens cut to the context's room when not asked for, checked
+        against the model's context and vocabulary."""
+        generation = within_context(generation, ids, self.runner.context_tokens)
         check_context(ids, generation.max_tokens, self.runner.context_tokens, self.runner.vocab_size)
+        return generation
 
     def _job(self, prepared: Prepared, on_tokens: Callable[[int, list[int]], None] | None = None) -> Job:
         g = prepared.generation
@@ -184,18 +192,22 @@ class OpenAIService:
             logprobs = with_first_token(prepared.prompt_ids[prompt][0], logprobs, texter)
         return Answer(text, completion.finish_reason, logprobs)
 
-    def stream(self, prepared: Prepared, write: Write, client_gone: ClientGone | None = None) -> None:
+    def stream(self, prepared: Prepared, write: Write, client_gone: ClientGone | None = None) -> tuple[int, int]:
         """The answer as server-sent events, each row's text as it is generated, then each row's last piece
-        with its finish reason, the usage (if asked for) and [DONE]. If writing fails, or client_gone() - asked
-        every CLIENT_CHECK_S while nothing is written - says so, the client went away: the rows are cancelled
-        and RequestCancelled raised. If the model fails, its error is raised, for the caller to end the stream
-        with an error event and report it."""
+        with its finish reason, the usage (if asked for) and [DONE]; returns the usage's (prompt, completion)
+        tokens. With log-probabilities, each row's tokens come once it has ended (the model computes them after
+        its generation call), a chunk per token with that token's log-probabilities. If writing fails, or
+        client_gone() - asked every CLIENT_CHECK_S while nothing is written - says so, the client went away: the
+        rows are cancelled and RequestCancelled raised. If the model fails, its error is raised, for the caller to
+        end the stream with an error event and report it."""
         events: queue.SimpleQueue[tuple[int, list[int]] | None] = queue.SimpleQueue()
-        job = self._job(prepared, on_tokens=lambda row, new: events.put((row, new)))
+        with_logprobs = prepared.generation.logprobs is not None
+        job = self._job(prepared, on_tokens=None if with_logprobs else lambda row, new: events.put((row, new)))
         future = self.batcher.submit(job)
         future.add_done_callback(lambda _: events.put(None))
         chunks = ChunkMaker(self.served_model, prepared.chat)
         texts = [StreamedText(self.runner.decode, prepared.generation.stop) for _ in job.rows]
+        texter = token_texter(self.runner.token_text, prepared.generation.tokens_as_ids)
 
         def send(event: dict | str) -> None:
             try:
@@ -212,14 +224,29 @@ class OpenAIService:
                     send(chunks.text(row, delta))
             rows = future.result()
             for row, (text, answer) in enumerate(zip(texts, rows, strict=True)):
+                offset = 0  # of the token in the text, as the answer without stream gives it
+                for position in answer.logprobs or []:
+                    logprobs = self._chunk_logprobs(prepared, position, texter, offset)
+                    offset += len(texter(position.token))
+                    send(chunks.text(row, text.add([position.token]), logprobs=logprobs))
                 send(chunks.text(row, text.finish(answer.result.completion.text),
                                  answer.result.completion.finish_reason))
+            usage = sum(map(len, prepared.prompt_ids)), _completion_tokens(rows)
             if prepared.generation.include_usage:
-                send(chunks.usage(sum(map(len, prepared.prompt_ids)), _completion_tokens(rows)))
+                send(chunks.usage(*usage))
             send("[DONE]")
+            return usage
         except RequestCancelled:
             job.cancel()
             raise
+
+    @staticmethod
+    def _chunk_logprobs(prepared: Prepared, position: PositionLogprobs, texter: TokenText, offset: int) -> dict:
+        """The `logprobs` of a stream chunk carrying one token: chat's `content` entry, or completions' lists
+        with the token's offset in the text (`offset`)."""
+        if prepared.chat:
+            return chat_logprobs([position], texter)
+        return completion_logprobs([position], texter, offset)
 
     @staticmethod
     def _next_event(events: queue.SimpleQueue, client_gone: ClientGone | None) -> tuple[int, list[int]] | None:

@@ -4,14 +4,15 @@ answered when an endpoint ran them."""
 
 from __future__ import annotations
 
+from npuport.runtime.validation.labels import BF16, W8A8
 from npuport.runtime.validation.report import AccuracyRow, FailedQuestions, Gate, MTPAcceptance
 
 DEFAULT_MAX_ACCURACY_DROP = 1.0  # points: vllm-ascend nightly's |accuracy - baseline| <= 1 on most GSM8K cases
 _QUESTIONS_NAMED = 20  # failed questions a gate's detail names before "and N more" (report.json lists them all)
 
 
-def accuracy_drop_gate(row: AccuracyRow, max_drop_points: float, candidate: str = "W8A8",
-                       reference: str = "BF16") -> Gate:
+def accuracy_drop_gate(row: AccuracyRow, max_drop_points: float, candidate: str = W8A8,
+                       reference: str = BF16) -> Gate:
     """Fails when the candidate's headline accuracy is more than `max_drop_points` percentage points below the
     reference's on the same questions (point estimates; the paired interval is given in the detail)."""
     if row.reference is None:

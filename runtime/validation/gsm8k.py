@@ -23,11 +23,12 @@ from npuport.runtime.validation.gsm8k_results import GSM8KResult, Score
 PROTOCOLS = ("sglang", "sglang-classic", "lm-eval", "aisbench")
 DEFAULT_PROTOCOL = "sglang"
 DEFAULT_SHOTS = 5
-MAX_NEW_TOKENS = 512
+MAX_NEW_TOKENS = 512  # sglang's script and AISBench
+LM_EVAL_MAX_NEW_TOKENS = 256  # lm-eval's default max_gen_toks (its gsm8k task sets none)
 LM_EVAL_SEED = 1234
 
 SGLANG_STOP = ("Question", "Assistant:", "<|separator|>")
-LM_EVAL_STOP = ("Question:",)
+LM_EVAL_STOP = ("Question:", "</s>", "<|im_end|>")  # lm-eval gsm8k.yaml's generation_kwargs.until
 
 # AISBench's GSM8K 0-shot chain-of-thought chat prompt (the one vllm-ascend and msModelSlim quote), verbatim:
 # the missing space after "question." is part of it.
@@ -96,6 +97,15 @@ def load_records(path: str | Path | None = None, split: str = "test") -> list[GS
     if not records:
         raise NpuportError(f"{file}: no GSM8K records")
     return records
+
+
+def questions_name(data: str | Path | None) -> str:
+    """What the questions of `data` (see `load_records`) are called in logs and reports: "GSM8K" for the shipped
+    copy, else the folder's (or the file's) name with the format, e.g. "arithmetic (GSM8K format)"."""
+    if data is None:
+        return "GSM8K"
+    path = Path(data)
+    return f"{path.name if path.is_dir() else path.stem} (GSM8K format)"
 
 
 # ---------------------------------------------------------------------------------------------------------
@@ -287,7 +297,8 @@ class LMEvalProtocol(GSM8KProtocol):
     Seeding, as lm-eval does it: one `random.Random(seed)` (seed 1234 by default) is consumed in question
     order, drawing `rnd.sample(train_records, k)` for each question in turn. The scored set is always
     `records[:N]`, so question i gets the same shots whatever N is. Two scores: strict-match (the first
-    `#### <number>`) and flexible-extract (the last number-like token), compared as normalized strings."""
+    `#### <number>`) and flexible-extract (the last number-like token), compared as normalized strings.
+    Generation as lm-eval's gsm8k task asks it: greedy, until LM_EVAL_STOP, LM_EVAL_MAX_NEW_TOKENS new tokens."""
 
     name = "lm-eval"
     stop = LM_EVAL_STOP
@@ -297,7 +308,8 @@ class LMEvalProtocol(GSM8KProtocol):
     )
 
     def __init__(self, records: Sequence[GSM8KRecord], train_records: Sequence[GSM8KRecord],
-                 shots: int = DEFAULT_SHOTS, seed: int = LM_EVAL_SEED, max_new_tokens: int = MAX_NEW_TOKENS):
+                 shots: int = DEFAULT_SHOTS, seed: int = LM_EVAL_SEED,
+                 max_new_tokens: int = LM_EVAL_MAX_NEW_TOKENS):
         if not 0 <= shots <= len(train_records):
             raise NpuportError(f"lm-eval: {shots} shots but the train split has {len(train_records)} records")
         self.seed = seed
@@ -339,15 +351,23 @@ class AISBenchProtocol(GSM8KProtocol):
                                   self._chat_template_kwargs)
 
 
+def default_max_new_tokens(name: str) -> int:
+    """The new-token limit per question that protocol `name`'s harness uses when it is not told one."""
+    return LM_EVAL_MAX_NEW_TOKENS if name == LMEvalProtocol.name else MAX_NEW_TOKENS
+
+
 def make_protocol(name: str = DEFAULT_PROTOCOL, data: str | Path | None = None, *, shots: int | None = None,
                   chat_template: ChatTemplate | None = None, chat_template_kwargs: dict[str, Any] | None = None,
-                  seed: int = LM_EVAL_SEED, max_new_tokens: int = MAX_NEW_TOKENS) -> GSM8KProtocol:
+                  seed: int = LM_EVAL_SEED, max_new_tokens: int | None = None) -> GSM8KProtocol:
     """The protocol `name` (one of PROTOCOLS) on the test split of `data` (see `load_records`; None: the
     shipped copy). lm-eval takes its shots from the train split next to `data` when `data` is a folder,
-    else from the shipped train split. `shots` defaults to 5 (aisbench: 0, the only value it takes).
+    else from the shipped train split. `shots` defaults to 5 (aisbench: 0, the only value it takes);
+    `max_new_tokens` to the harness's own (`default_max_new_tokens`).
     `chat_template` (a tokenizer loaded from the artifact) and `chat_template_kwargs` serve aisbench only."""
     if name not in PROTOCOLS:
         raise NpuportError(f"unknown GSM8K protocol {name!r}; choose one of {', '.join(PROTOCOLS)}")
+    if max_new_tokens is None:
+        max_new_tokens = default_max_new_tokens(name)
     records = load_records(data, "test")
     if name == "aisbench":
         if shots not in (None, 0):

@@ -4,11 +4,13 @@ report_markdown.py, the plots by report_plots.py, all three files by report_file
 
 from __future__ import annotations
 
+import math
 from dataclasses import asdict, dataclass, field
 from importlib import metadata
 from typing import Any
 
 import npuport
+from npuport.runtime.validation.determinism import Determinism
 from npuport.runtime.validation.gsm8k_results import GSM8KResult
 from npuport.runtime.validation.paired_stats import (
     DEFAULT_CONFIDENCE,
@@ -75,9 +77,22 @@ class Fidelity:
     topk_kl_estimates: dict[int, float] = field(default_factory=dict)
 
 
+# The figures of a ThroughputRun: (name in tables and plots, attribute, digits shown)
+THROUGHPUT_COLUMNS = (
+    ("prefill tok/s", "prefill_tokens_per_s", 1),
+    ("decode tok/s", "decode_tokens_per_s", 1),
+    ("time per output token ms", "time_per_output_token_ms", 2),
+    ("output tok/s", "output_tokens_per_s", 1),
+)
+THROUGHPUT_FIGURES = tuple(attr for _, attr, _ in THROUGHPUT_COLUMNS)
+
+
 @dataclass
 class ThroughputRun:
-    """One timed generation run; `mtp` says whether speculative decoding with the MTP head was on."""
+    """One timed generation run of one model; `mtp` says whether speculative decoding with the MTP head was on.
+    Each figure is measured over `repeats` timings (throughput.py); `ranges` holds, per figure (attribute name),
+    its lowest and highest value over them - the spread that tells a difference from timing noise - with None at
+    an end a repeat left without a bound (its decode not slower than its prefill)."""
 
     label: str
     mtp: bool
@@ -87,6 +102,110 @@ class ThroughputRun:
     time_per_output_token_ms: float | None = None
     output_tokens_per_s: float | None = None
     num_speculative_tokens: int | None = None
+    model: str | None = None  # which model ran (the report's candidate or reference label); None: not recorded
+    repeats: int = 1
+    ranges: dict[str, list[float | None]] = field(default_factory=dict)
+
+    def spread(self, figure: str) -> float | None:
+        """Highest - lowest of `figure` over the repeats (infinite when an end has no bound); None when it was
+        not measured over several."""
+        bounds = self.ranges.get(figure)
+        if bounds is None or self.repeats < 2:
+            return None
+        low, high = bounds
+        return math.inf if low is None or high is None else high - low
+
+
+@dataclass(frozen=True)
+class ThroughputDifference:
+    """One figure of two runs that differ in one thing only - the same model with MTP against without, or the
+    candidate against the reference with the same MTP setting - and whether timing noise can explain it: within
+    noise when the larger of the two runs' spreads over repeats exceeds the difference."""
+
+    figure: str  # a THROUGHPUT_FIGURES attribute
+    run: str  # the label of the run compared
+    baseline: str  # the label of the run it is compared with
+    value: float
+    baseline_value: float
+    spread: float | None  # None: a run was timed once, so its spread is unknown
+
+    @property
+    def difference(self) -> float:
+        return self.value - self.baseline_value
+
+    @property
+    def within_noise(self) -> bool:
+        return self.spread is not None and self.spread > abs(self.difference)
+
+    def noise_words(self, digits: int = 1) -> str:
+        """'within noise: spread X, difference Y' (or 'beyond noise: ...', or 'spread unknown: one repeat')."""
+        difference = f"difference {self.difference:+.{digits}f}"
+        if self.spread is None:
+            return f"spread unknown (one repeat), {difference}"
+        verdict = "within noise" if self.within_noise else "beyond noise"
+        spread = ("unbounded (a repeat's decode was not slower than its prefill)" if math.isinf(self.spread)
+                  else f"{self.spread:.{digits}f}")
+        return f"{verdict}: spread {spread}, {difference}"
+
+
+def _difference(figure: str, run: ThroughputRun, baseline: ThroughputRun) -> ThroughputDifference | None:
+    value, base = getattr(run, figure), getattr(baseline, figure)
+    if value is None or base is None:
+        return None
+    spreads = [run.spread(figure), baseline.spread(figure)]
+    spread = None if None in spreads else max(spreads)
+    return ThroughputDifference(figure, run.label, baseline.label, value, base, spread)
+
+
+def throughput_differences(runs: list[ThroughputRun]) -> list[ThroughputDifference]:
+    """Every figure both runs of a pair measured, for each pair of runs of one batch size that differ in one thing:
+    MTP on against off for the same model, or another model against the first one timed with the same MTP setting
+    (models are never compared under different settings). Runs that do not name their model are not paired."""
+    named = [r for r in runs if r.model is not None]
+    pairs = [(r, b) for r in named for b in named if r.batch_size == b.batch_size and r.model == b.model
+             and r.mtp and not b.mtp]
+    first_model = named[0].model if named else None
+    pairs += [(r, b) for r in named for b in named if r.batch_size == b.batch_size and r.model != b.model
+              and b.model == first_model and r.num_speculative_tokens == b.num_speculative_tokens]
+    found = [_difference(figure, r, b) for r, b in pairs for figure in THROUGHPUT_FIGURES]
+    return [d for d in found if d is not None]
+
+
+@dataclass(frozen=True)
+class MTPSpeedup:
+    """One model's decode tokens/s with MTP over its own decode tokens/s without, at the same batch size; `ratio`
+    None with the `reason` when one of the two was not measured."""
+
+    model: str
+    run: str
+    baseline: str | None
+    ratio: float | None
+    reason: str | None = None
+    difference: ThroughputDifference | None = None
+    num_speculative_tokens: int | None = None
+
+
+def mtp_speedups(runs: list[ThroughputRun]) -> list[MTPSpeedup]:
+    """The decode speed-up of each MTP run over the same model's run without MTP (never another model's)."""
+    found = []
+    for run in (r for r in runs if r.mtp):
+        model = run.model or run.label
+        plain = next((r for r in runs if not r.mtp and r.model is not None and r.model == run.model
+                      and r.batch_size == run.batch_size), None)
+        if run.model is None or plain is None:
+            found.append(MTPSpeedup(model, run.label, None, None, f"no run of {model} without MTP at batch "
+                                    f"{run.batch_size} to compare with", None, run.num_speculative_tokens))
+            continue
+        unmeasured = [r.label for r in (run, plain) if not r.decode_tokens_per_s]
+        if unmeasured:
+            found.append(MTPSpeedup(model, run.label, plain.label, None, f"the decode of {' and '.join(unmeasured)} "
+                                    "was not measurable (timing noise above the decode time)", None,
+                                    run.num_speculative_tokens))
+            continue
+        found.append(MTPSpeedup(model, run.label, plain.label, run.decode_tokens_per_s / plain.decode_tokens_per_s,
+                                difference=_difference("decode_tokens_per_s", run, plain),
+                                num_speculative_tokens=run.num_speculative_tokens))
+    return found
 
 
 @dataclass
@@ -144,6 +263,7 @@ class ValidationReport:
     settings: dict[str, Any] = field(default_factory=dict)  # anything else the run records (URL, batch size)
     gates: list[Gate] = field(default_factory=list)
     failed_questions: list[FailedQuestions] = field(default_factory=list)  # runs that could fail per question
+    determinism: Determinism | None = None  # --repeat, --mtp-reference-endpoint, --compare-without-mtp
 
 
 
@@ -168,6 +288,14 @@ def _result_dict(result: GSM8KResult) -> dict[str, Any]:
         score_data["interval"] = list(wilson_interval(score.correct, DEFAULT_CONFIDENCE))
     data["interval"] = data["scores"][0]["interval"]
     data["interval_method"] = f"wilson {DEFAULT_CONFIDENCE:g}"
+    return data
+
+
+def _difference_dict(difference: ThroughputDifference) -> dict[str, Any]:
+    """A ThroughputDifference as JSON (which has no infinity: an unbounded spread is null, spread_unbounded true)."""
+    data = {**asdict(difference), "difference": difference.difference, "within_noise": difference.within_noise}
+    if difference.spread is not None and math.isinf(difference.spread):
+        data.update(spread=None, spread_unbounded=True)
     return data
 
 
@@ -200,6 +328,11 @@ def report_dict(report: ValidationReport) -> dict[str, Any]:
         data["fidelity"] = asdict(report.fidelity)
     if report.throughput:
         data["throughput"] = [asdict(run) for run in report.throughput]
+        data["throughput_differences"] = [_difference_dict(d) for d in throughput_differences(report.throughput)]
+        data["mtp_decode_speedup"] = [
+            {"model": s.model, "run": s.run, "baseline": s.baseline, "ratio": s.ratio, "reason": s.reason,
+             "within_noise": None if s.difference is None else s.difference.within_noise}
+            for s in mtp_speedups(report.throughput)]
     if report.mtp is not None:
         data["mtp"] = asdict(report.mtp)
     if report.mtp_reference is not None:
@@ -211,6 +344,8 @@ def report_dict(report: ValidationReport) -> dict[str, Any]:
                 "per_position": [c - r for c, r in zip(report.mtp.per_position, report.mtp_reference.per_position,
                                                        strict=False)],
             }
+    if report.determinism is not None:
+        data["determinism"] = report.determinism.to_dict()
     if report.gates:
         data["gates"] = [asdict(gate) for gate in report.gates]
     if report.failed_questions:

@@ -3,22 +3,31 @@ paired comparison, fidelity, throughput, MTP acceptance - then its plots."""
 
 from __future__ import annotations
 
+import math
 from collections.abc import Sequence
 from pathlib import Path
 
+from npuport.runtime.validation.determinism import determinism_markdown
 from npuport.runtime.validation.gsm8k_results import Score
 from npuport.runtime.validation.paired_stats import DEFAULT_CONFIDENCE, wilson_interval
 from npuport.runtime.validation.report import (
     FULL_KL,
+    THROUGHPUT_COLUMNS,
     FailedQuestions,
     Fidelity,
     Gate,
     MTPAcceptance,
+    ThroughputRun,
     ValidationReport,
     library_versions,
+    mtp_speedups,
+    throughput_differences,
 )
 
 MISSING = "–"
+VALIDATION_DOC = "data/VALIDATION.md"  # inside the npuport package; docs/VALIDATION.md in the repository links to it
+VALIDATION_REFERENCE = (f"VALIDATION.md (`npuport/{VALIDATION_DOC}` in the installed npuport package, "
+                        "`docs/VALIDATION.md` in its repository)")
 
 
 def _fmt(value: float | int | None, digits: int = 2) -> str:
@@ -56,8 +65,9 @@ def _accuracy_section(report: ValidationReport) -> list[str]:
             elif with_ref:
                 cells += [MISSING, MISSING]
             rows.append(cells)
-    lines = ["## GSM8K accuracy", "", "Intervals: Wilson, 95%. The protocols follow VALIDATION.md; the "
-             "headline score of each protocol is its first row.", ""]
+    questions = report.settings.get("questions_name", "GSM8K")
+    lines = [f"## {questions} accuracy", "", f"Intervals: Wilson, 95%. The protocols follow {VALIDATION_REFERENCE}; "
+             "the headline score of each protocol is its first row.", ""]
     lines += _table(header, rows)
 
     timed = [(label, r) for row in report.accuracy for label, r in ((cand, row.candidate), (ref, row.reference))
@@ -115,29 +125,84 @@ def _fidelity_section(report: ValidationReport, fidelity: Fidelity) -> list[str]
     return lines
 
 
-THROUGHPUT_COLUMNS = (
-    ("prefill tok/s", "prefill_tokens_per_s", 1),
-    ("decode tok/s", "decode_tokens_per_s", 1),
-    ("time per output token ms", "time_per_output_token_ms", 2),
-    ("output tok/s", "output_tokens_per_s", 1),
-)
+_COLUMN = {attr: (name, digits) for name, attr, digits in THROUGHPUT_COLUMNS}
+
+# Said under a CPU run's throughput: what its figures cannot show, and where the accelerator figures are.
+CPU_THROUGHPUT_NOTE = (
+    "On a CPU these figures do not show what W8A8 and MTP buy: both gains are properties of accelerators - W8A8 "
+    "of int8 matrix units that multiply int8 faster than BF16, MTP of memory-bound decode, where verifying several "
+    "tokens costs about one read of the weights - while a CPU without int8 matrix units emulates the int8 GEMMs and "
+    "its decode is compute-bound; the figures measured on GPUs are in bench/RESULTS.md of npuport's repository.")
+
+
+def _bound(value: float | None, digits: int) -> str:
+    return "unbounded" if value is None else f"{value:.{digits}f}"
+
+
+def _figure_cell(run: ThroughputRun, attr: str) -> str:
+    """The figure, and in brackets its lowest and highest over the repeats when there were several."""
+    digits = _COLUMN[attr][1]
+    value, bounds = getattr(run, attr), run.ranges.get(attr)
+    if value is None or bounds is None or run.repeats < 2:
+        return _fmt(value, digits)
+    return f"{value:.{digits}f} ({_bound(bounds[0], digits)}–{_bound(bounds[1], digits)})"
+
+
+def _speedup_lines(report: ValidationReport) -> list[str]:
+    """Each model's decode speed-up with MTP over its own decode without, its noise verdict, and why a slower one
+    is slower (from that model's acceptance)."""
+    speedups = mtp_speedups(report.throughput)
+    if not speedups:
+        return []
+    acceptance = {report.candidate_label: report.mtp, report.reference_label: report.mtp_reference}
+    lines = ["Decode speed-up with MTP, each model over itself without MTP (never over another model):", ""]
+    slower = []
+    for s in speedups:
+        k = "" if s.num_speculative_tokens is None else f" k={s.num_speculative_tokens}"
+        if s.ratio is None:
+            lines.append(f"- {s.model}, MTP{k}: not given: {s.reason}.")
+            continue
+        noise = f" ({s.difference.noise_words()} tok/s)" if s.difference is not None else ""
+        lines.append(f"- {s.model}, MTP{k} over no MTP: {s.ratio:.2f}x{noise}")
+        mtp = acceptance.get(s.model)
+        if s.ratio < 1 and mtp is not None and not (s.difference is not None and s.difference.within_noise):
+            slower.append(_why_mtp_is_slower(mtp.mean_acceptance_length, s.ratio))
+    return lines + [""] + [line for why in slower for line in (why, "")]
+
+
+def _differences_lines(runs: Sequence[ThroughputRun]) -> list[str]:
+    differences = throughput_differences(list(runs))
+    if not differences:
+        return []
+    rows = []
+    for d in differences:
+        name, digits = _COLUMN[d.figure]
+        spread = (MISSING if d.spread is None else "unbounded" if math.isinf(d.spread)
+                  else f"{d.spread:.{digits}f}")
+        verdict = MISSING if d.spread is None else "within noise" if d.within_noise else "beyond noise"
+        rows.append([name, d.run, d.baseline, f"{d.value:.{digits}f}", f"{d.baseline_value:.{digits}f}",
+                     f"{d.difference:+.{digits}f}", spread, verdict])
+    return ["### Differences and timing noise", "",
+            "Runs that differ in one thing only: a model with MTP against itself without, or a model against the "
+            "first one timed with the same MTP setting. Spread: the larger of the two runs' (highest - lowest over "
+            "the repeats); a difference smaller than it is within noise and shows nothing.", ""] + _table(
+        ["measure", "run", "against", "run's", "against's", "difference", "spread", "verdict"], rows)
 
 
 def _throughput_section(report: ValidationReport) -> list[str]:
     runs = report.throughput
     columns = [c for c in THROUGHPUT_COLUMNS if any(getattr(r, c[1]) is not None for r in runs)]
-    rows = [[r.label, "yes" if r.mtp else "no", str(r.batch_size)] + [_fmt(getattr(r, attr), d)
-                                                                     for _, attr, d in columns] for r in runs]
+    rows = [[r.label, "yes" if r.mtp else "no", str(r.batch_size)] + [_figure_cell(r, attr) for _, attr, _ in columns]
+            for r in runs]
     lines = ["## Throughput", "", f"Device: {report.device}.", ""]
+    if report.device.lower().startswith("cpu"):
+        lines += [CPU_THROUGHPUT_NOTE, ""]
+    repeats = max(r.repeats for r in runs)
+    if repeats > 1:
+        lines += [f"Each run timed {repeats} times (a one-token call, then the full call); in brackets each "
+                  "figure's lowest and highest over those repeats.", ""]
     lines += _table(["run", "MTP", "batch"] + [name for name, _, _ in columns], rows)
-    plain = next((r for r in runs if not r.mtp and r.decode_tokens_per_s), None)
-    spec = next((r for r in runs if r.mtp and r.decode_tokens_per_s), None)
-    if plain and spec:
-        speedup = spec.decode_tokens_per_s / plain.decode_tokens_per_s
-        lines += [f"Decode speed-up with MTP ({spec.label} over {plain.label}): {speedup:.2f}x", ""]
-        if speedup < 1 and report.mtp is not None:
-            lines += [_why_mtp_is_slower(report.mtp.mean_acceptance_length, speedup), ""]
-    return lines
+    return lines + _speedup_lines(report) + _differences_lines(runs)
 
 
 def _why_mtp_is_slower(mean_length: float, speedup: float) -> str:
@@ -145,7 +210,7 @@ def _why_mtp_is_slower(mean_length: float, speedup: float) -> str:
     tokens in the time of mean_length / speedup plain decode steps."""
     return (f"MTP is slower here because a round - the drafts through the MTP head, one target forward verifying "
             f"them, the head catching up - took the time of {mean_length / speedup:.2f} plain decode steps and "
-            f"yielded {mean_length:.2f} tokens (the mean acceptance length above). It pays where a round costs "
+            f"yielded {mean_length:.2f} tokens (the mean acceptance length below). It pays where a round costs "
             f"less than it yields: on models large enough that verifying a few tokens at once costs little more "
             f"than decoding one, not on a model this small on this device.")
 
@@ -213,6 +278,8 @@ def render_markdown(report: ValidationReport, plots: Sequence[Path] = ()) -> str
         lines += _failed_questions_section(report.failed_questions)
     if report.accuracy:
         lines += _accuracy_section(report) + _comparison_section(report)
+    if report.determinism is not None:
+        lines += determinism_markdown(report.determinism)
     if report.fidelity is not None:
         lines += _fidelity_section(report, report.fidelity)
     if report.throughput:

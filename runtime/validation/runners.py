@@ -3,6 +3,8 @@ OpenAI-compatible server (EndpointRunner). run_validation asks a runner what it 
 
 from __future__ import annotations
 
+import copy
+import dataclasses
 import json
 from collections.abc import Callable, Sequence
 from pathlib import Path
@@ -62,6 +64,13 @@ class RuntimeRunner(RuntimeCompletions):
 
     def logprob_source(self) -> LogprobSource:
         return RuntimeLogprobs(self)
+
+    def without_mtp(self) -> RuntimeRunner:
+        """The same model, tokenizer, batches and kernels, decoding without MTP drafts: what greedy output with MTP
+        must equal."""
+        plain = copy.copy(self)
+        plain.options = dataclasses.replace(self.options, mtp=0)
+        return plain
 
 
 def answer_row(question: int, answer: Completion) -> dict[str, Any]:

@@ -1,7 +1,8 @@
 """`npuport validate --gsm8k`: one GSM8K protocol on the artifact (built-in runtime, or any OpenAI-compatible
 endpoint) and on its BF16 source, the paired comparison, fidelity, throughput, MTP acceptance and the gates,
 written as report.json, report.md, plots and completions.jsonl (VALIDATION.md). An endpoint's answers are also
-written to answers.jsonl as they arrive."""
+written to answers.jsonl as they arrive. Optionally the determinism of greedy output: the questions answered again,
+and by the same model without MTP (determinism.py)."""
 
 from __future__ import annotations
 
@@ -16,12 +17,13 @@ import torch
 
 from npuport.checksums import listing_checksum, sha256_file
 from npuport.devices import pick_device
-from npuport.errors import NpuportError
+from npuport.errors import EndpointError, NpuportError
 from npuport.runtime.completion import MAX_TOP_LOGPROBS, CompletionBatch
 from npuport.runtime.generate import AcceptanceStats
 from npuport.runtime.selftest.run import implementations_record
 from npuport.runtime.text_completions import RuntimeBatch, RuntimeCompletions
 from npuport.runtime.textgen import load_tokenizer
+from npuport.runtime.validation.determinism import CompletionAgreement, Determinism, compare_completions
 from npuport.runtime.validation.endpoint import served_models
 from npuport.runtime.validation.endpoint_fidelity import DEFAULT_TOP_K, logprob_fidelity
 from npuport.runtime.validation.fidelity import measure_fidelity
@@ -34,11 +36,13 @@ from npuport.runtime.validation.gates import (
 from npuport.runtime.validation.gsm8k import (
     DEFAULT_PROTOCOL,
     LM_EVAL_SEED,
-    MAX_NEW_TOKENS,
     GSM8KProtocol,
+    default_max_new_tokens,
     make_protocol,
+    questions_name,
 )
 from npuport.runtime.validation.gsm8k_results import GSM8KResult
+from npuport.runtime.validation.labels import BF16, is_w8a8, report_labels
 from npuport.runtime.validation.report import AccuracyRow, Gate, MTPAcceptance, ThroughputRun, ValidationReport
 from npuport.runtime.validation.report_files import ReportFiles, write_report
 from npuport.runtime.validation.runners import EndpointRunner, Runner, RuntimeRunner
@@ -47,9 +51,9 @@ from npuport.runtime.validation.throughput import measure_throughput
 COMPLETIONS_NAME = "completions.jsonl"
 ANSWERS_NAME = "answers.jsonl"
 REFERENCE_ANSWERS_NAME = "answers-reference.jsonl"
-CANDIDATE_LABEL = "W8A8"
-REFERENCE_LABEL = "BF16"
+WITHOUT_MTP_ANSWERS_NAME = "answers-without-mtp.jsonl"
 CHECKSUM_METHOD = "sha256 of the artifact's SHA256SUMS listing (the sha256 of every file, sha256sum format)"
+NO_CHECKSUM = "not taken: no local files (validated through --endpoint with --tokenizer only)"
 
 Log = Callable[[str], None]
 
@@ -58,18 +62,18 @@ Log = Callable[[str], None]
 class ValidateOptions:
     """Everything one validation run is told (the CLI's options, one to one)."""
 
-    artifact: Path
+    artifact: Path | None  # None: only on --endpoint, with --tokenizer
     protocol: str = DEFAULT_PROTOCOL
     data: Path | None = None  # None: the GSM8K test split shipped with the package
     num_questions: int | None = None  # None: every question the protocol can score
     shots: int | None = None  # None: the protocol's default
-    max_new_tokens: int = MAX_NEW_TOKENS
+    max_new_tokens: int | None = None  # None: the protocol's own default (gsm8k.default_max_new_tokens)
     batch_size: int = 16
     mtp: int = 0
     seed: int = LM_EVAL_SEED
     reference: Path | None = None
     endpoint: str | None = None
-    endpoint_model: str | None = None  # None: the artifact path as given (what sglang and vLLM serve it as)
+    endpoint_model: str | None = None  # None: the one model the server lists, else the artifact path as given
     parallel: int = 16
     timeout_s: float = 600.0
     retries: int = 3
@@ -86,10 +90,32 @@ class ValidateOptions:
     reference_endpoint_model: str | None = None  # None: the one model the server lists
     fidelity_top_k: int = DEFAULT_TOP_K  # log-probabilities per position asked of a server for fidelity
     dispatch: str | None = None  # MoE dispatch in the built-in runtime (run_options.DISPATCH_CHOICES); None: default
-    api_key: str | None = None  # sent as a bearer token to --endpoint and --reference-endpoint
+    api_key: str | None = None  # sent as a bearer token to every endpoint
+    tokenizer: Path | None = None  # the tokenizer's folder for --endpoint; None: the artifact's
+    repeat: int = 1  # times the artifact's runner answers the questions; later runs are compared with the first
+    mtp_reference_endpoint: str | None = None  # --endpoint's model served without MTP
+    mtp_reference_endpoint_model: str | None = None  # None: the one model the server lists
+    compare_without_mtp: bool = False  # the built-in runtime answers once more without MTP
+
+    def __post_init__(self) -> None:
+        if self.max_new_tokens is None:
+            self.max_new_tokens = default_max_new_tokens(self.protocol)
 
     def check(self) -> None:
         """Refuse combinations that cannot be measured, before anything is loaded."""
+        if self.artifact is None and (self.endpoint is None or self.tokenizer is None):
+            raise NpuportError("give ARTIFACT (the model's folder), or --endpoint URL with --tokenizer DIR to validate "
+                               "a server without local model files")
+        if self.tokenizer is not None and self.endpoint is None:
+            raise NpuportError("--tokenizer is for --endpoint; the built-in runtime reads ARTIFACT's own tokenizer")
+        if self.repeat < 1:
+            raise NpuportError("--repeat must be at least 1")
+        if self.mtp_reference_endpoint is not None and self.endpoint is None:
+            raise NpuportError("--mtp-reference-endpoint is compared with --endpoint; on the built-in runtime give "
+                               "--mtp K with --compare-without-mtp")
+        if self.compare_without_mtp and (self.endpoint is not None or not self.mtp):
+            raise NpuportError("--compare-without-mtp needs MTP on the built-in runtime: give --mtp K (K > 0); for a "
+                               "server give --mtp-reference-endpoint")
         if self.endpoint is not None and self.mtp:
             raise NpuportError("--mtp drives the built-in runtime; with --endpoint the server decides its own "
                                "speculative decoding")
@@ -159,7 +185,7 @@ def run_gsm8k(runner: Runner, protocol: GSM8KProtocol, prompts: Sequence[str], l
               answers: Path) -> tuple[GSM8KResult, CompletionBatch]:
     """Complete and score the prompts; the batch carries the texts, token counts and latency. A runner whose
     answers arrive one by one writes them to `answers` as they do; a failed question is scored as its empty text."""
-    log(f"{label}: GSM8K {protocol.name}, {len(prompts)} questions, up to {protocol.max_new_tokens} new tokens")
+    log(f"{label}: {protocol.name} protocol, {len(prompts)} questions, up to {protocol.max_new_tokens} new tokens")
     batch = runner.complete_questions(protocol, prompts, answers, _progress(label, len(prompts), log))
     if batch.failures:
         log(f"{label}: {len(batch.failures)} of {len(prompts)} question(s) FAILED (scored as wrong): "
@@ -176,8 +202,8 @@ def acceptance_figures(stats: AcceptanceStats) -> MTPAcceptance:
                          sum(stats.rounds))
 
 
-# Timed calls per throughput figure, the fastest kept: decode time is the difference of two calls, and a single
-# slow one-token call (the host busy for a moment) would inflate the decode rate.
+# Timed repeats per throughput figure, the median kept: decode time is the difference of two calls, and a single
+# slow call (the host busy for a moment) would move it; the spread over the repeats tells differences from noise.
 THROUGHPUT_REPEATS = 3
 
 
@@ -197,7 +223,7 @@ def throughput_runs(runner: RuntimeCompletions, prompts: Sequence[Sequence[int]]
     for k in sorted({0, mtp}):
         name = label if k == 0 else f"{label} + MTP k={k}"
         run = measure_throughput(runner.model, prompts, new_tokens, mtp=k, label=name, repeats=THROUGHPUT_REPEATS,
-                                 invariant=runner.options.invariant)
+                                 invariant=runner.options.invariant, model_label=label)
         runs.append(run)
         decode = (f"decode {run.decode_tokens_per_s:.1f} tok/s, {run.time_per_output_token_ms:.2f} ms per output token"
                   if run.decode_tokens_per_s is not None else "decode not measurable (noise above the decode time)")
@@ -224,12 +250,52 @@ def write_completions(path: Path, rows: Sequence[tuple[str, GSM8KResult, Complet
 # ---------------------------------------------------------------------------------------------------------
 
 
+def _endpoint_runner(opts: ValidateOptions, url: str, model: str | None, option: str) -> EndpointRunner:
+    """A client of the server at `url` sending `model`, else the one model the server lists (`option` names the
+    option that names it, for the error when it lists several)."""
+    if model is None:
+        listed = served_models(url, timeout_s=opts.timeout_s, api_key=opts.api_key)
+        if len(listed) != 1:
+            raise NpuportError(f"{url} serves {len(listed)} models ({', '.join(listed) or 'none'}); name the one to "
+                               f"validate with {option}")
+        model = listed[0]
+    return EndpointRunner(url, model, parallel=opts.parallel, timeout_s=opts.timeout_s, retries=opts.retries,
+                          api_key=opts.api_key)
+
+
+def _endpoint_tokenizer(opts: ValidateOptions) -> Any:
+    """The tokenizer of --tokenizer DIR (which must hold one), else the artifact's (None if it has none)."""
+    if opts.tokenizer is None:
+        return load_tokenizer(opts.artifact)
+    tokenizer = load_tokenizer(opts.tokenizer)
+    if tokenizer is None:
+        raise NpuportError(f"{opts.tokenizer} holds no tokenizer (tokenizer.json / tokenizer_config.json)")
+    return tokenizer
+
+
+def _endpoint_model(opts: ValidateOptions) -> str | None:
+    """The name to send to --endpoint: --endpoint-model; else the one model the server lists, or ARTIFACT as given
+    where it lists that among others (sglang and vLLM serve a folder as the path given, npuport serve by the
+    folder's name); ARTIFACT as given where the server lists none. None: the server must list one."""
+    if opts.endpoint_model is not None or opts.artifact is None:
+        return opts.endpoint_model
+    try:
+        listed = served_models(opts.endpoint, timeout_s=opts.timeout_s, api_key=opts.api_key)
+    except EndpointError:  # no model list: the questions' own requests say what is wrong
+        return str(opts.artifact)
+    if len(listed) == 1:
+        return listed[0]
+    if str(opts.artifact) in listed or not listed:
+        return str(opts.artifact)
+    raise NpuportError(f"{opts.endpoint} serves {len(listed)} models ({', '.join(listed)}); name the one to validate "
+                       "with --endpoint-model")
+
+
 def _candidate_runner(opts: ValidateOptions, device: torch.device, log: Log) -> tuple[Runner, Any, str]:
     """The artifact's runner (a server or the runtime), the tokenizer for chat prompts, a description."""
     if opts.endpoint is not None:
-        client = EndpointRunner(opts.endpoint, opts.endpoint_model or str(opts.artifact), parallel=opts.parallel,
-                                timeout_s=opts.timeout_s, retries=opts.retries, api_key=opts.api_key)
-        return (client, load_tokenizer(opts.artifact),
+        client = _endpoint_runner(opts, opts.endpoint, _endpoint_model(opts), "--endpoint-model")
+        return (client, _endpoint_tokenizer(opts),
                 f"endpoint {client.url} (model {client.model}, {opts.parallel} in parallel)")
     log(f"loading {opts.artifact} on {device}")
     runtime = RuntimeRunner.load(opts.artifact, device=device, dtype=opts.dtype, batch_size=opts.batch_size,
@@ -246,15 +312,8 @@ def _reference_runner(opts: ValidateOptions, device: torch.device, log: Log) -> 
         return reference, str(opts.reference)
     if opts.reference_endpoint is None:
         return None
-    model = opts.reference_endpoint_model
-    if model is None:
-        listed = served_models(opts.reference_endpoint, timeout_s=opts.timeout_s, api_key=opts.api_key)
-        if len(listed) != 1:
-            raise NpuportError(f"{opts.reference_endpoint} serves {len(listed)} models ({', '.join(listed) or 'none'}"
-                               "); name the reference with --reference-endpoint-model")
-        model = listed[0]
-    client = EndpointRunner(opts.reference_endpoint, model, parallel=opts.parallel, timeout_s=opts.timeout_s,
-                            retries=opts.retries, api_key=opts.api_key)
+    client = _endpoint_runner(opts, opts.reference_endpoint, opts.reference_endpoint_model,
+                              "--reference-endpoint-model")
     return client, f"endpoint {client.url} (model {client.model})"
 
 
@@ -274,18 +333,20 @@ def _measure_on_runtime(report: ValidationReport, opts: ValidateOptions, candida
     built-in runtime's, which carry token ids and acceptance)."""
     if reference is not None and ref_batch is not None:
         f = opts.fidelity_questions or len(cand_batch.prompt_ids)
-        log(f"fidelity: {CANDIDATE_LABEL} against {REFERENCE_LABEL} on {min(f, len(cand_batch.prompt_ids))} prompts")
+        log(f"fidelity: {report.candidate_label} against {report.reference_label} on "
+            f"{min(f, len(cand_batch.prompt_ids))} prompts")
         report.fidelity = measure_fidelity(candidate.model, reference.model, cand_batch.prompt_ids[:f],
                                            cand_batch.token_ids[:f], ref_batch.token_ids[:f])
     if opts.throughput:
         prompts = cand_batch.prompt_ids[:opts.batch_size]
-        for label, runner in ((CANDIDATE_LABEL, candidate), (REFERENCE_LABEL, reference)):
+        for label, runner in ((report.candidate_label, candidate), (report.reference_label, reference)):
             if runner is not None:
                 report.throughput += throughput_runs(runner, prompts, opts.max_new_tokens, opts.mtp, label, log)
         report.settings["throughput"] = (
             f"the first {len(prompts)} GSM8K prompts as one batch (mean {sum(map(len, prompts)) / len(prompts):.0f} "
             f"tokens), {opts.max_new_tokens} new tokens each, no stop tokens, after a warm-up; prefill = a call "
-            f"making one token, decode = the rest; each call the fastest of {THROUGHPUT_REPEATS}")
+            f"making one token, decode = the rest; each figure over {THROUGHPUT_REPEATS} repeats (the median "
+            "prefill and decode times), with its lowest and highest")
     if cand_batch.acceptance is not None:
         report.mtp = acceptance_figures(cand_batch.acceptance)
         if ref_batch is not None and ref_batch.acceptance is not None:
@@ -300,8 +361,8 @@ def _measure_by_logprobs(report: ValidationReport, opts: ValidateOptions, candid
         report.settings["fidelity"] = "not measured: the artifact has no tokenizer to turn the prompts into tokens"
         return
     f = min(opts.fidelity_questions or len(prompts), len(prompts))
-    log(f"fidelity: {CANDIDATE_LABEL} against {REFERENCE_LABEL} on {f} prompts, from top-{opts.fidelity_top_k} "
-        "log-probabilities")
+    log(f"fidelity: {report.candidate_label} against {report.reference_label} on {f} prompts, from "
+        f"top-{opts.fidelity_top_k} log-probabilities")
     ids = [list(tokenizer.encode(p)) for p in prompts[:f]]
     measured = logprob_fidelity(candidate.logprob_source(), reference.logprob_source(), ids, protocol.max_new_tokens,
                                 protocol.stop, opts.fidelity_top_k)
@@ -323,12 +384,59 @@ class _ModelRun:
     batch: CompletionBatch
 
 
+RunQuestions = Callable[[str, Runner, str], _ModelRun]  # (label, runner, answers file name) -> the run
+
+
+def _without_mtp(opts: ValidateOptions, candidate: Runner) -> tuple[Runner, str] | None:
+    """The artifact's model without MTP - on --mtp-reference-endpoint, or the built-in runtime's own model with
+    MTP off - and a description; None when not asked for."""
+    if opts.mtp_reference_endpoint is not None:
+        client = _endpoint_runner(opts, opts.mtp_reference_endpoint, opts.mtp_reference_endpoint_model,
+                                  "--mtp-reference-endpoint-model")
+        return client, f"endpoint {client.url} (model {client.model}), the same model served without MTP"
+    if opts.compare_without_mtp and isinstance(candidate, RuntimeRunner):
+        return candidate.without_mtp(), "the built-in runtime's same model, batches and kernels, MTP off"
+    return None
+
+
+def measure_determinism(opts: ValidateOptions, first: _ModelRun, run: RunQuestions, how: str,
+                        log: Log) -> tuple[Determinism | None, list[_ModelRun]]:
+    """The artifact's questions answered again (--repeat) and without MTP, each run compared with the first,
+    completion by completion; the runs themselves too (completions.jsonl lists them). None when not asked for."""
+    without_mtp = _without_mtp(opts, first.runner)
+    if opts.repeat == 1 and without_mtp is None:
+        return None, []
+    determinism = Determinism(first.label, how, first.result.accuracy)
+    runs = []
+
+    def compared(name: str, later: _ModelRun) -> CompletionAgreement:
+        agreement = compare_completions(name, first.batch.completions, later.batch.completions, later.result.accuracy)
+        share = "–" if agreement.share is None else f"{agreement.share * 100:.2f} %"
+        log(f"{later.label}: {agreement.identical} of {agreement.num_compared} completions identical to run 1's "
+            f"({share})")
+        runs.append(later)
+        return agreement
+
+    for k in range(2, opts.repeat + 1):
+        later = run(f"{first.label} run {k}", first.runner, f"answers-run{k}.jsonl")
+        determinism.repeats.append(compared(f"run {k} against run 1", later))
+    if without_mtp is not None:
+        runner, determinism.mtp_how = without_mtp
+        plain = run(f"{first.label} without MTP", runner, WITHOUT_MTP_ANSWERS_NAME)
+        determinism.mtp = compared("without MTP against run 1 (with MTP)", plain)
+    return determinism, runs
+
+
 def run_validation(options: ValidateOptions, out_dir: Path | str, log: Log = print) -> ValidationOutcome:
     """Measure, gate and write the report into `out_dir`; the gates' verdicts are in the outcome (a failed
     gate is not an exception: the caller decides the exit status). With a reference on the built-in
     runtime both models are held at once (fidelity compares them position by position)."""
     opts = options
     opts.check()
+    cand_label, ref_label = report_labels(opts.artifact, opts.reference, dtype=opts.dtype,
+                                          artifact_served=opts.endpoint is not None,
+                                          reference_served=opts.reference_endpoint is not None)
+    ref_label = ref_label or BF16  # no reference: the label is never shown
     device = pick_device(opts.device)
     candidate, tokenizer, runner_text = _candidate_runner(opts, device, log)
     if opts.protocol == "aisbench" and tokenizer is None:
@@ -341,18 +449,21 @@ def run_validation(options: ValidateOptions, out_dir: Path | str, log: Log = pri
     settings: dict[str, Any] = {
         "runner": runner_text, "protocol": protocol.name, "shots": protocol.shots, "questions": n,
         "max_new_tokens": opts.max_new_tokens, "stop": list(protocol.stop),
-        "data": str(opts.data) if opts.data is not None else "GSM8K test split shipped with npuport"}
+        "data": str(opts.data) if opts.data is not None else "GSM8K test split shipped with npuport",
+        "questions_name": questions_name(opts.data)}
+    log(f"questions: {settings['questions_name']}, from {settings['data']}")
 
     def run(label: str, runner: Runner, answers_name: str) -> _ModelRun:
         answers = Path(out_dir) / answers_name
         return _ModelRun(label, runner, answers, *run_gsm8k(runner, protocol, prompts, label, log, answers))
 
-    runs = [run(CANDIDATE_LABEL, candidate, ANSWERS_NAME)]
+    runs = [run(cand_label, candidate, ANSWERS_NAME)]
+    determinism, again = measure_determinism(opts, runs[0], run, runner_text, log)
     row = AccuracyRow(runs[0].result)
     reference_and_text = _reference_runner(opts, device, log)
     if reference_and_text is not None:
         reference, settings["reference"] = reference_and_text
-        runs.append(run(REFERENCE_LABEL, reference, REFERENCE_ANSWERS_NAME))
+        runs.append(run(ref_label, reference, REFERENCE_ANSWERS_NAME))
         row = AccuracyRow.paired(runs[0].result, runs[1].result, seed=opts.seed)
 
     local = [r.runner.in_process for r in runs]
@@ -360,12 +471,17 @@ def run_validation(options: ValidateOptions, out_dir: Path | str, log: Log = pri
     where = candidate.where(device_text)
     if len(runs) > 1 and None in local:
         where += f"; reference on {runs[1].runner.where(device_text)}"
-    report = ValidationReport(artifact=str(opts.artifact), device=where, seed=opts.seed,
-                              candidate_label=CANDIDATE_LABEL, reference_label=REFERENCE_LABEL, accuracy=[row],
-                              settings=settings)
+    artifact = (str(opts.artifact) if opts.artifact is not None or not isinstance(candidate, EndpointRunner)
+                else f"model {candidate.model} at {candidate.url}")
+    report = ValidationReport(artifact=artifact, device=where, seed=opts.seed,
+                              candidate_label=cand_label, reference_label=ref_label, accuracy=[row],
+                              settings=settings, determinism=determinism)
+    if opts.tokenizer is not None:
+        settings["tokenizer"] = str(opts.tokenizer)
     if any(model is not None for model in local):
-        report.dtypes = {"float tensors and activations": opts.dtype,
-                         "quantized linears": "int8 weights per channel x int8 activations per token"}
+        report.dtypes = {"float tensors and activations": opts.dtype}
+        if any(m is not None and is_w8a8(f) for f, m in zip((opts.artifact, opts.reference), local, strict=False)):
+            report.dtypes["quantized linears"] = "int8 weights per channel x int8 activations per token"
     if local[0] is not None:
         settings["kernels"] = kernels_setting(local[0].options.invariant, opts.mtp)
         settings["implementations"] = implementations_setting(local[0].model.device)
@@ -377,7 +493,7 @@ def run_validation(options: ValidateOptions, out_dir: Path | str, log: Log = pri
         if failed is not None:
             report.failed_questions.append(failed)
             report.gates.append(answered_gate(failed))
-    served = [r for r in runs if r.runner.in_process is None]
+    served = [r for r in runs + again if r.runner.in_process is None]
     if served:
         settings["answers"] = "each endpoint answer, or its error, as it arrived: " + ", ".join(
             r.answers.name for r in served)
@@ -385,13 +501,16 @@ def run_validation(options: ValidateOptions, out_dir: Path | str, log: Log = pri
             _measure_by_logprobs(report, opts, candidate, runs[1].runner, tokenizer, prompts, protocol, log)
 
     if row.reference is not None and opts.max_accuracy_drop is not None:
-        report.gates.append(accuracy_drop_gate(row, opts.max_accuracy_drop, CANDIDATE_LABEL, REFERENCE_LABEL))
+        report.gates.append(accuracy_drop_gate(row, opts.max_accuracy_drop, cand_label, ref_label))
     if opts.min_acceptance is not None and report.mtp is not None:
         report.gates.append(acceptance_gate(report.mtp, opts.min_acceptance))
 
-    log(f"checksum of {opts.artifact}")
-    report.artifact_checksum = artifact_checksum(opts.artifact)
-    settings["artifact_checksum"] = CHECKSUM_METHOD
+    if opts.artifact is not None:
+        log(f"checksum of {opts.artifact}")
+        report.artifact_checksum = artifact_checksum(opts.artifact)
+        settings["artifact_checksum"] = CHECKSUM_METHOD
+    else:
+        settings["artifact_checksum"] = NO_CHECKSUM
     files = write_report(report, out_dir)
-    completions = [(r.label, r.result, r.batch) for r in runs]
+    completions = [(r.label, r.result, r.batch) for r in runs + again]
     return ValidationOutcome(report, files, write_completions(files.json.parent / COMPLETIONS_NAME, completions))
