@@ -15,7 +15,7 @@ from npuport.convert.qwen35_names import MTP_PREFIX
 from npuport.convert.source import FULL_ATTENTION, LINEAR_ATTENTION, shown_value
 from npuport.errors import NpuportError
 from npuport.jsonfile import read_json_object
-from npuport.paths import file_inside
+from npuport.paths import file_inside, hub_cache_blobs
 
 CONFIG = "config.json"
 GENERATION_CONFIG = "generation_config.json"
@@ -79,7 +79,7 @@ class ModelFolder:
                 self._json[name] = None
             else:
                 try:
-                    path = file_inside(self.path, name, "the folder")
+                    path = file_inside(self.path, name, "the folder", also_inside=hub_cache_blobs(self.path))
                     self._json[name] = read_json_object(path)
                 except NpuportError as e:
                     self._json[name] = str(e).replace(f"{self.path}/", "").replace(f"{self.path}: ", "")

