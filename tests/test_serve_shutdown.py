@@ -58,16 +58,20 @@ def test_serve_stops_within_seconds_and_says_so(signum, busy):
         listed = [m["id"] for m in request(url, "/v1/models")["data"]]
         by_path = request(url, "/v1/completions", {"model": model, "prompt": "1 + 1 =", "max_tokens": 2})
         streamed: list[bytes] = []
+        reader = None
         if busy:  # a stream of thousands of tokens, begun
             body = json.dumps({"prompt": "Question: 1 + 1 =", "max_tokens": 4000, "temperature": 0, "stream": True})
             answer = urllib.request.urlopen(urllib.request.Request(
                 url + "/v1/completions", data=body.encode(), headers={"Content-Type": "application/json"}), timeout=60)
             streamed.append(answer.readline())
-            threading.Thread(target=lambda: streamed.append(answer.read()), daemon=True).start()
+            reader = threading.Thread(target=lambda: streamed.append(answer.read()), daemon=True)
+            reader.start()
         signalled = time.monotonic()
         process.send_signal(signum)
         process.wait(timeout=EXIT_WITHIN_S + 20)
         took = time.monotonic() - signalled
+        if reader is not None:  # the stream's rest, read to its end: the server has exited, so it has ended
+            reader.join(timeout=10)
     finally:
         if process.poll() is None:
             process.kill()
