@@ -3,7 +3,8 @@ against transformers' own MoE block on the same weights (each of its experts imp
 per-expert loop the runtime ran before, in the same run on one GPU.
 
     python -P bench/moe.py --out DIR [--like 35B-A3B] [--tokens 1,8,32,512,4096] [--layers 4] [--sweep 1,8,16]
-                           [--e2e WORKDIR [--e2e-like 27B] [--batches 1,8,32] [--profile] [--no-transformers]
+                           [--e2e WORKDIR [--e2e-like 27B] [--e2e-recipes R1,R2] [--batches 1,8,32] [--profile]
+                            [--no-transformers]
                             [--skip-eager-experts]]
 
 For each number of tokens M (decode batch 1/8/32: M = batch; prefill: M = prompt tokens) and each contestant,
@@ -277,6 +278,7 @@ def end_to_end(args, copy_bps: float, save) -> dict:
     transformers_throughput = bench_module("throughput").transformers_throughput  # timed as the runtime is
 
     from npuport.convert.converter import convert_qwen35
+    from npuport.convert.recipe import recipe_path_for
     from npuport.fixtures.tiny_checkpoint import like_spec, make_tiny
     from npuport.runtime.loader import load_model
     from npuport.runtime.validation.throughput import measure_throughput
@@ -286,14 +288,19 @@ def end_to_end(args, copy_bps: float, save) -> dict:
     start = time.perf_counter()
     source = make_tiny(args.e2e / "source", like_spec(like, args.e2e_layers))
     out["make_tiny_s"] = time.perf_counter() - start
-    start = time.perf_counter()
-    artifact = convert_qwen35(source, args.e2e / "artifact", show_progress=False, log=lambda m: None, workers=4).out
-    out["convert_s"] = time.perf_counter() - start
+    artifacts = {}  # label -> artifact folder: one per --e2e-recipes name, or the default recipe's
+    for recipe in args.e2e_recipes.split(",") if args.e2e_recipes else [None]:
+        start = time.perf_counter()
+        label = f"W8A8 {recipe}" if recipe else "W8A8"
+        artifacts[label] = convert_qwen35(source, args.e2e / (recipe or "artifact"), show_progress=False,
+                                          recipe_path=recipe_path_for(recipe) if recipe else None,
+                                          log=lambda m: None, workers=4).out
+        out.setdefault("convert_s", {})[label] = time.perf_counter() - start
     gen = torch.Generator().manual_seed(0)
     batches = [int(b) for b in args.batches.split(",")]
     prompts = torch.randint(0, 2000, (max(batches), 512), generator=gen).tolist()
     long_prompt = torch.randint(0, 2000, (1, 4096), generator=gen).tolist()
-    for label, path in (("BF16", source), ("W8A8", artifact)):
+    for label, path in (("BF16", source), *artifacts.items()):
         model = load_model(path, "cuda")
         for batch in batches:
             for k in (0, 1):
@@ -373,6 +380,9 @@ def main() -> None:
                         help="Also whole models: a folder for a `make-tiny --like` checkpoint and its W8A8 artifact.")
     parser.add_argument("--e2e-layers", type=int, default=4)
     parser.add_argument("--e2e-like", default=None, help="The make-tiny --like model end to end (default: --like).")
+    parser.add_argument("--e2e-recipes", default="",
+                        help="End to end, one W8A8 artifact per shipped recipe named (comma-separated, e.g. "
+                             "qwen3_5_dense_w8a8,qwen3_6_27b_w8a8); default: the default recipe's.")
     parser.add_argument("--batches", default="1,8,32")
     parser.add_argument("--sweep", default="", help="Token counts at which to sweep the matvec tiles, e.g. 1,8,16")
     parser.add_argument("--new-tokens", type=int, default=48)

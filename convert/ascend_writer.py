@@ -26,8 +26,7 @@ COPIED_PREFIXES = ("LICENSE", "NOTICE")
 
 
 def shard_names(n: int) -> list[str]:
-    if n == 1:
-        return ["quant_model_weights.safetensors"]
+    """The shards' names as msModelSlim 26.1's ascendV1 saver writes them: numbered even when there is one."""
     return [f"quant_model_weights-{k:05d}-of-{n:05d}.safetensors" for k in range(1, n + 1)]
 
 

@@ -3,6 +3,7 @@ folder, and on both what the serving engines assert (engine_rules.py); each viol
 
 from __future__ import annotations
 
+import unicodedata
 from pathlib import Path
 
 from npuport.convert.ascend_writer import DESCRIPTION_GLOBALS, INDEX_NAME
@@ -37,6 +38,13 @@ def _load_json(path: Path, problems: list[str], also_inside: Path | None = None)
     except ArtifactError as e:
         problems.append(_relative(e, path.parent))
         return None
+
+
+def control_character_names(folder: Path) -> list[str]:
+    """A problem for each file of `folder` whose name holds a control character (a newline, a tab...): SHA256SUMS
+    lists one name a line, and every message naming it would be broken across lines."""
+    return [f"{p.name!r}: a file name with a control character; rename it" for p in sorted(folder.iterdir())
+            if any(unicodedata.category(c) == "Cc" for c in p.name)]
 
 
 def _relative(error: NpuportError, art: Path) -> str:
@@ -191,6 +199,7 @@ def check_artifact(art: Path) -> list[str]:
             problems.append(f"{name}: a BF16 source file; engines that find it load the wrong weights")
     for p in art.glob("model-*-of-*.safetensors"):
         problems.append(f"{p.name}: a BF16 source shard must not be in an artifact")
+    problems += control_character_names(art)
     config = _load_json(art / "config.json", problems) if (art / "config.json").exists() else None
     if config is None and not (art / "config.json").exists():
         problems.append("config.json is missing")

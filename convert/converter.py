@@ -15,9 +15,8 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
-from tqdm import tqdm
-
 from npuport import __version__
+from npuport.benchlog import Progress
 from npuport.checksums import sha256_file
 from npuport.convert.ascend_writer import (
     copied_files,
@@ -28,8 +27,10 @@ from npuport.convert.ascend_writer import (
     write_shards,
 )
 from npuport.convert.check import check_artifact
+from npuport.convert.engine_facts import EngineTarget
 from npuport.convert.engine_rules import engine_problems
 from npuport.convert.plan import Plan, Unit, build_plan
+from npuport.convert.qwen35_names import layer_kinds
 from npuport.convert.recipe import Recipe, checked_part_file_size, default_recipe_path, load_recipe
 from npuport.convert.source import INDEX_NAME, SourceCheckpoint, open_source
 from npuport.errors import ArtifactError, CheckpointError, NpuportError
@@ -70,11 +71,13 @@ def best_practice_name(src: Path) -> str:
     return re.sub(r"[^A-Za-z0-9._-]+", "_", src.resolve().name) + "_best_practice.yaml"
 
 
-def _manifest(src: SourceCheckpoint, recipe: Recipe, plan: Plan, source_checksums: dict[str, str]) -> dict:
+def _manifest(src: SourceCheckpoint, recipe: Recipe, plan: Plan, source_checksums: dict[str, str],
+              engine: EngineTarget | None) -> dict:
     return {
         "tool": MANIFEST_TOOL,
         "version": __version__,
-        "command": "convert-qwen35 --a8w8",
+        "command": "convert-qwen35 --a8w8" + (f" --engine {engine.engine}=={engine.version}" if engine else ""),
+        "engine": {"name": engine.engine, "version": str(engine.version)} if engine else None,
         "scheme": "W8A8_DYNAMIC",
         "source": {"name": src.path.resolve().name, "model_type": src.model_type, "checksums": source_checksums},
         "recipe": {"name": recipe.name, "file": recipe.source_name,
@@ -95,9 +98,11 @@ def convert_qwen35(
     part_file_size_gb: float | None = None,
     show_progress: bool = True,
     full_sha256: bool = False,
+    engine: EngineTarget | None = None,
     log: Callable[[str], None] = print,
 ) -> ConversionResult:
-    """Convert the Qwen3.5 BF16 checkpoint in `src` into a W8A8_DYNAMIC artifact at `out`."""
+    """Convert the Qwen3.5 BF16 checkpoint in `src` into a W8A8_DYNAMIC artifact at `out`: what the recipe asks,
+    as msModelSlim writes it; with `engine`, what that engine release cannot load quantized is kept FLOAT."""
     t0 = time.perf_counter()
     src, out = Path(src), Path(out)
     if part_file_size_gb is not None:
@@ -113,7 +118,7 @@ def convert_qwen35(
     for note in recipe.notes:
         log(f"recipe: {note}")
     part_bytes = int((recipe.part_file_size_gb if part_file_size_gb is None else part_file_size_gb) * GB)
-    plan = build_plan(source, recipe, part_bytes)
+    plan = build_plan(source, recipe, part_bytes, engine)
     _log_plan(plan, log)
     for pattern, rule in recipe.unmatched_includes(plan.linear_labels):  # a recipe for another model? a typo?
         log(f"warning: include pattern {pattern!r} ({rule.where}) matches no linear layer of this model")
@@ -123,12 +128,14 @@ def convert_qwen35(
         total = sum(u.source_bytes for u in plan.units)
         n_tensors = sum(len(u.specs) for u in plan.units)
         done = [0]
-        with tqdm(total=total, unit="B", unit_scale=True, desc="convert", disable=not show_progress) as bar:
+        # a bar on a terminal, else a plain line every few seconds (a log, a pipe, a batch job)
+        with Progress("convert", total, "GB of the source", scale=GB, enabled=show_progress) as bar:
 
             def progress(unit: Unit) -> None:
                 done[0] += len(unit.specs)
-                bar.set_postfix_str(f"{done[0]}/{n_tensors} tensors", refresh=False)
-                bar.update(unit.source_bytes)
+                if bar.bar is not None:
+                    bar.bar.set_postfix_str(f"{done[0]}/{n_tensors} tensors", refresh=False)
+                bar.update(advance=unit.source_bytes)
 
             write_shards(plan, tmp, workers, progress)
         write_description(plan, tmp)
@@ -136,7 +143,7 @@ def convert_qwen35(
         for p in copies:
             shutil.copyfile(p, tmp / p.name)
         (tmp / best_practice_name(src)).write_text(recipe.text, encoding="utf-8")
-        write_json(tmp / MANIFEST_NAME, _manifest(source, recipe, plan, source_identity(source, full_sha256)))
+        write_json(tmp / MANIFEST_NAME, _manifest(source, recipe, plan, source_identity(source, full_sha256), engine))
         problems = check_artifact(tmp)
         if problems:
             raise ArtifactError("the written artifact fails the contract check:\n  " + "\n  ".join(problems))
@@ -152,6 +159,6 @@ def _log_plan(plan: Plan, log: Callable[[str], None]) -> None:
     by_reason: dict[str, list[str]] = {}
     for lab in ignored:
         by_reason.setdefault(lab.reason, []).append(lab.module)
-    for reason, modules in by_reason.items():
-        shown = ", ".join(modules[:3]) + (f" and {len(modules) - 3} more" if len(modules) > 3 else "")
+    for reason, modules in by_reason.items():  # each kind of layer named, as the model card lists them
+        shown = ", ".join(f"{kind} ({n})" if n > 1 else kind for kind, n in layer_kinds(modules).items())
         log(f"  FLOAT {len(modules):4d}  {reason}: {shown}")

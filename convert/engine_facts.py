@@ -6,6 +6,7 @@ beside its serving commands. What every engine asserts of every folder is engine
 
 from __future__ import annotations
 
+import re
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, fields
 from importlib import resources
@@ -13,14 +14,17 @@ from pathlib import Path
 from typing import Any
 
 import yaml
+from packaging.specifiers import InvalidSpecifier, SpecifierSet
+from packaging.version import InvalidVersion, Version
 
 from npuport.convert.qwen35_names import is_mtp
 from npuport.convert.recipe import FLOAT, W8A8_DYNAMIC
 from npuport.errors import NpuportError
 from npuport.jsonfile import read_json_object
 
-KINDS = ("breaks", "loads")
+KINDS = ("breaks", "loads", "cannot_load")
 ENGINES = ("sglang", "vllm-ascend", "vllm")
+TARGET_ENGINES = ("sglang", "vllm-ascend")  # the engines `convert-qwen35 --engine` and `check` name
 # The linear-attention (GatedDeltaNet) head dims the chunked GDN kernels of vLLM's CPU build are compiled for
 # (csrc/cpu/sgl-kernels/fla.cpp, DISPATCH_HEAD_DIM); key and value head dims must also be equal there.
 VLLM_CPU_GDN_HEAD_DIMS = (64, 128)
@@ -54,6 +58,10 @@ def _dtype(config: Mapping[str, Any]) -> object:
     return None
 
 
+def _quantized(labels: Mapping[str, str], pattern: str) -> bool:
+    return any(label == W8A8_DYNAMIC and re.search(pattern, name) for name, label in labels.items())
+
+
 # condition name -> whether a folder with these labels (tensor name -> label; empty for a BF16 source) and this
 # config.json (parsed; empty when not known) meets it
 CONDITIONS: dict[str, Callable[[Mapping[str, str], Mapping[str, Any]], bool]] = {
@@ -69,6 +77,9 @@ CONDITIONS: dict[str, Callable[[Mapping[str, str], Mapping[str, Any]], bool]] = 
     # a BF16 source whose config.json declares another dtype than bfloat16 (vLLM serves it in that dtype by default)
     "bf16_source_declares_another_dtype": lambda labels, config: _bf16_source(labels)
     and _dtype(config) not in (None, "bfloat16"),
+    # an artifact with a GatedDeltaNet layer's in_proj_qkv / in_proj_z quantized (msModelSlim's Qwen3.6 recipes)
+    "quantized_gdn_input_projections": lambda labels, config: _quantized(
+        labels, r"(^|\.)linear_attn\.in_proj_(qkv|z)\.weight$"),
 }
 
 
@@ -84,6 +95,12 @@ class EngineFact:
     workaround: str
     source: str
     checked: bool
+    affected: str
+    keep_float: str
+
+    def applies_to(self, version: Version) -> bool:
+        """Whether the release `version` of its engine has it (`affected` empty: every release)."""
+        return SpecifierSet(self.affected).contains(version, prereleases=True)
 
     def warning(self) -> str:
         """The one line `npuport check` prints."""
@@ -109,8 +126,69 @@ def engine_facts(path: Path | None = None) -> list[EngineFact]:
         if fact.kind not in KINDS or fact.engine not in ENGINES or fact.condition not in CONDITIONS:
             raise NpuportError(f"{source}: fact {fact.id!r}: kind, engine or condition unknown ({fact.kind}, "
                                f"{fact.engine}, {fact.condition})")
+        try:
+            SpecifierSet(fact.affected)
+            re.compile(fact.keep_float)
+        except (InvalidSpecifier, re.error) as e:
+            raise NpuportError(f"{source}: fact {fact.id!r}: affected or keep_float malformed ({e})") from None
+        if (fact.kind == "cannot_load") != bool(fact.keep_float):
+            raise NpuportError(f"{source}: fact {fact.id!r}: keep_float belongs to cannot_load facts, and only")
         facts.append(fact)
     return facts
+
+
+def newest_releases(path: Path | None = None) -> dict[str, Version]:
+    """engine -> the newest release the table was checked against (what `--engine ENGINE` alone means)."""
+    source = path or Path(str(resources.files("npuport.data") / "engine_facts.yaml"))
+    data = yaml.safe_load(source.read_text(encoding="utf-8"))
+    newest = data.get("newest") if isinstance(data, dict) else None
+    if not isinstance(newest, dict) or sorted(newest) != sorted(TARGET_ENGINES):
+        raise NpuportError(f"{source}: `newest` must name the newest release of each of {', '.join(TARGET_ENGINES)}")
+    return {engine: Version(str(version)) for engine, version in newest.items()}
+
+
+@dataclass(frozen=True)
+class EngineTarget:
+    """The engine release an artifact is converted for (`convert-qwen35 --engine sglang` or `sglang==0.5.18`)."""
+
+    engine: str
+    version: Version
+
+    def __str__(self) -> str:
+        return f"{self.engine} {self.version}"
+
+    @classmethod
+    def parse(cls, text: str) -> EngineTarget:
+        """ENGINE or ENGINE==VERSION; NpuportError naming what is wrong."""
+        engine, _, version = text.strip().partition("==")
+        if engine not in TARGET_ENGINES:
+            raise NpuportError(f"--engine {text!r}: unknown engine; choose one of {', '.join(TARGET_ENGINES)}, "
+                               f"optionally with ==VERSION")
+        try:
+            return cls(engine, Version(version) if version else newest_releases()[engine])
+        except InvalidVersion:
+            raise NpuportError(f"--engine {text!r}: {version!r} is not a version number") from None
+
+    def cannot_load(self) -> list[EngineFact]:
+        """The facts of layers this release cannot load quantized."""
+        return [f for f in engine_facts() if f.kind == "cannot_load" and f.engine == self.engine
+                and f.applies_to(self.version)]
+
+    def keep_float_reason(self, module: str) -> str | None:
+        """Why `module` stays FLOAT for this release, or None if it loads it quantized."""
+        fact = next((f for f in self.cannot_load() if re.search(f.keep_float, module)), None)
+        if fact is None:
+            return None
+        return f"--engine {self}: {fact.engine} cannot load it quantized ({fact.versions}; {fact.source})"
+
+
+def engines_that_cannot_load(labels: Mapping[str, str], config: Mapping[str, Any] | None = None
+                             ) -> dict[str, list[EngineFact]]:
+    """engine -> the cannot_load facts an artifact with these labels meets at that engine's newest release (an
+    empty list: that release loads it, as far as the table knows)."""
+    met = facts_for(labels, "cannot_load", config)
+    return {engine: [f for f in met if f.engine == engine and f.applies_to(version)]
+            for engine, version in newest_releases().items()}
 
 
 def artifact_labels(art: Path) -> dict[str, str]:
@@ -135,3 +213,21 @@ def folder_facts(folder: Path, kind: str | None = None) -> list[EngineFact]:
     artifact = any(p.name.endswith("quant_model_description.json") for p in folder.iterdir())
     config = read_json_object(folder / "config.json")
     return facts_for(artifact_labels(folder) if artifact else {}, kind, config)
+
+
+def engine_support(folder: Path) -> list[str]:
+    """One line per target engine for an artifact: whether its newest release loads it, or what it cannot load
+    (the fact's releases, source and remedy); nothing for a BF16 source."""
+    folder = Path(folder)
+    if not any(p.name.endswith("quant_model_description.json") for p in folder.iterdir()):
+        return []
+    cannot = engines_that_cannot_load(artifact_labels(folder), read_json_object(folder / "config.json"))
+    newest = newest_releases()
+    lines = []
+    for engine, facts in cannot.items():
+        if not facts:
+            lines.append(f"{engine} {newest[engine]}: loads it (no known loading failure; see the warnings above for "
+                         f"serving flags)")
+        for f in facts:
+            lines.append(f"{engine} ({f.versions}): cannot load it: {f.effect}; remedy: {f.workaround} ({f.source})")
+    return lines

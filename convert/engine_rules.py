@@ -12,7 +12,7 @@ from pathlib import Path
 from typing import Any
 
 from npuport.convert.qwen35_names import MTP_PREFIX
-from npuport.convert.source import FULL_ATTENTION, LINEAR_ATTENTION, shown_value
+from npuport.convert.source import FULL_ATTENTION, LINEAR_ATTENTION, ModelConfig, shown_value
 from npuport.errors import NpuportError
 from npuport.jsonfile import read_json_object
 from npuport.paths import file_inside, hub_cache_blobs
@@ -233,6 +233,16 @@ def _mtp_head(folder: ModelFolder) -> list[str]:
     return []
 
 
+def _config_reads(folder: ModelFolder) -> bool:
+    """Whether config.json holds sizes npuport reads (else check names its problems, and transformers, which the
+    tokenizer loads through, would build a model config from it unchecked)."""
+    try:
+        ModelConfig.from_dict(folder.config)
+    except NpuportError:
+        return False
+    return True
+
+
 def _tokenizer_files(folder: ModelFolder) -> list[str]:
     problems = []
     if not (folder.has(TOKENIZER) or (folder.has("vocab.json") and folder.has("merges.txt"))):
@@ -240,6 +250,13 @@ def _tokenizer_files(folder: ModelFolder) -> list[str]:
                         "start-up")
     if not folder.has(TOKENIZER_CONFIG):
         problems.append(f"{TOKENIZER_CONFIG}: missing: the engines load the tokenizer at start-up")
+    if not problems and not isinstance(folder.json(TOKENIZER), str) and _config_reads(folder):
+        from npuport.tokenizer_folder import check_tokenizer  # the runtime's own reading (imports transformers)
+
+        try:
+            check_tokenizer(folder.path)
+        except NpuportError as e:
+            problems.append(str(e).replace(f"{folder.path}/", "").replace(f"{folder.path}: ", ""))
     return problems
 
 
@@ -277,10 +294,12 @@ def _tokenizer_fits(folder: ModelFolder) -> list[str]:
 
 
 def _special_token_ids(folder: ModelFolder) -> list[str]:
+    generation = folder.json(GENERATION_CONFIG)
+    if isinstance(generation, str):  # unreadable: generate, serve and the engines would refuse it
+        return [generation]
     vocab_size = _positive(folder.text.get("vocab_size"))
     if vocab_size is None:
         return []
-    generation = folder.json(GENERATION_CONFIG)
     scopes = [(CONFIG, folder.name, folder.text)]
     if folder.text is not folder.config:
         scopes.append((CONFIG, str, folder.config))

@@ -1,20 +1,19 @@
 """The label of every linear layer: W8A8_DYNAMIC where the recipe selects it and nothing forbids it,
-FLOAT otherwise, with the reason. The MTP head and the engines' constraints override any recipe."""
+FLOAT otherwise, with the reason. The MTP head overrides any recipe; so does the engine release named with
+`--engine` (what it cannot load quantized, from the table of engine facts) - and nothing else: by default the
+artifact is what the recipe asks, as msModelSlim writes it."""
 
 from __future__ import annotations
 
 import re
 from dataclasses import dataclass
 
+from npuport.convert.engine_facts import EngineTarget
 from npuport.convert.qwen35_names import fused_group, is_mtp
 from npuport.convert.recipe import FLOAT, W8A8_DYNAMIC, Recipe
 
-# Linear layers the engines cannot load quantized, or that are too small to matter (CONTRACT.md).
+# Linear layers no engine loads quantized, and too small to matter (CONTRACT.md).
 ENGINE_FLOAT_RULES: tuple[tuple[re.Pattern, str], ...] = (
-    (
-        re.compile(r"(^|\.)linear_attn\."),
-        "engine constraint: sglang cannot load a quantized Qwen3.5 linear_attn projection",
-    ),
     (re.compile(r"\.mlp\.gate$"), "router: a tiny layer that engines keep in BF16"),
     (re.compile(r"\.mlp\.shared_expert_gate$"), "shared-expert gate: a tiny layer that engines keep in BF16"),
 )
@@ -32,8 +31,9 @@ def engine_float_reason(module: str) -> str | None:
     return next((reason for pattern, reason in ENGINE_FLOAT_RULES if pattern.search(module)), None)
 
 
-def label_linears(modules: list[str], recipe: Recipe) -> dict[str, LinearLabel]:
-    """A label for each linear module name (per-expert names for experts), in the order given."""
+def label_linears(modules: list[str], recipe: Recipe, engine: EngineTarget | None = None) -> dict[str, LinearLabel]:
+    """A label for each linear module name (per-expert names for experts), in the order given; `engine`: the
+    release the artifact is for, whose known loading failures are avoided."""
     labels: dict[str, LinearLabel] = {}
     for m in modules:
         rule = recipe.match(m)
@@ -42,7 +42,7 @@ def label_linears(modules: list[str], recipe: Recipe) -> dict[str, LinearLabel]:
             labels[m] = LinearLabel(m, FLOAT, MTP_REASON + asked)
         elif rule is None:
             labels[m] = LinearLabel(m, FLOAT, recipe.why_not(m))
-        elif (reason := engine_float_reason(m)) is not None:
+        elif (reason := engine_float_reason(m) or (engine and engine.keep_float_reason(m))) is not None:
             labels[m] = LinearLabel(m, FLOAT, reason)
         else:
             labels[m] = LinearLabel(m, W8A8_DYNAMIC, f"selected by {rule.where}")

@@ -10,6 +10,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from npuport.convert.engine_facts import EngineTarget
 from npuport.convert.labels import LinearLabel, label_linears
 from npuport.convert.quantize import per_channel_scale, quantize_rows
 from npuport.convert.qwen35_names import (
@@ -172,10 +173,10 @@ def _refuse_if_nothing_quantized(labels: dict[str, LinearLabel], recipe: Recipe)
     raise RecipeError(f"{recipe.path}: the recipe quantizes nothing: include patterns {recipe.shown_includes()}: {why}")
 
 
-def build_plan(src: SourceCheckpoint, recipe: Recipe, part_file_bytes: int) -> Plan:
+def build_plan(src: SourceCheckpoint, recipe: Recipe, part_file_bytes: int, engine: EngineTarget | None = None) -> Plan:
     regions = _linear_regions(src)
     modules = sorted(regions, key=lambda m: model_order_key(m + ".weight"))
-    labels = label_linears(modules, recipe)
+    labels = label_linears(modules, recipe, engine)
     _refuse_if_nothing_quantized(labels, recipe)
     units: list[Unit] = []
     for m in modules:

@@ -5,6 +5,8 @@ an engine fuses into one layer, and the model order msModelSlim writes tensors i
 from __future__ import annotations
 
 import re
+from collections import Counter
+from collections.abc import Iterable
 
 MTP_PREFIX = "mtp."
 MULTIMODAL_TEXT_PREFIX = "model.language_model."
@@ -91,3 +93,14 @@ def model_order_key(name: str) -> tuple:
         leaf = module.rpartition(".")[2]
         return (3, _TAIL_ORDER.index(leaf) if leaf in _TAIL_ORDER else len(_TAIL_ORDER), _natural(name))
     return (section, 0, _natural(name))
+
+
+def layer_kind(module: str) -> str:
+    """`a.layers.3.mlp.experts.7.up_proj` -> `a.layers.*.mlp.experts.*.up_proj`: the name of a kind of layer."""
+    return re.sub(r"(?<=\.)\d+(?=\.|$)", "*", module)
+
+
+def layer_kinds(modules: Iterable[str]) -> dict[str, int]:
+    """Each kind of layer among `modules` (layer_kind) with how many there are, in first-seen order: the one rule by
+    which the converter's log and the model card list a group of layers."""
+    return dict(Counter(map(layer_kind, modules)))

@@ -9,7 +9,6 @@ misspelt `exclued:` would otherwise quantize what the user meant to exclude).
 from __future__ import annotations
 
 import difflib
-import fnmatch
 import os
 import reprlib
 import stat
@@ -19,6 +18,7 @@ from importlib import resources
 from pathlib import Path
 
 import yaml
+from wcmatch import fnmatch as wc_fnmatch
 
 from npuport.errors import RecipeError
 
@@ -63,6 +63,12 @@ _SHORT_REPR.maxlevel, _SHORT_REPR.maxlist, _SHORT_REPR.maxdict, _SHORT_REPR.maxt
 _SHORT_REPR.maxstring, _SHORT_REPR.maxother, _SHORT_REPR.maxlong = 60, 60, 40
 
 
+def glob_matches(module: str, pattern: str) -> bool:
+    """Whether `pattern` matches the module name as msModelSlim matches include/exclude patterns: wcmatch's fnmatch
+    with brace expansion (`*self_attn.{q,k}_proj`), case-sensitive, `*` crossing dots."""
+    return wc_fnmatch.fnmatch(module, pattern, flags=wc_fnmatch.BRACE | wc_fnmatch.CASE)
+
+
 @dataclass(frozen=True)
 class QuantRule:
     """One `linear_quant` entry: modules matching an include glob and no exclude glob get `scheme`."""
@@ -73,10 +79,10 @@ class QuantRule:
     scheme: str = W8A8_DYNAMIC
 
     def excluded_by(self, module: str) -> str | None:
-        return next((p for p in self.exclude if fnmatch.fnmatchcase(module, p)), None)
+        return next((p for p in self.exclude if glob_matches(module, p)), None)
 
     def includes(self, module: str) -> bool:
-        return any(fnmatch.fnmatchcase(module, p) for p in self.include)
+        return any(glob_matches(module, p) for p in self.include)
 
 
 @dataclass
@@ -99,7 +105,7 @@ class Recipe:
 
     def unmatched_includes(self, modules: Collection[str]) -> list[tuple[str, QuantRule]]:
         """(pattern, its rule) for each include pattern that matches none of `modules`."""
-        return [(p, r) for r in self.rules for p in r.include if not any(fnmatch.fnmatchcase(m, p) for m in modules)]
+        return [(p, r) for r in self.rules for p in r.include if not any(glob_matches(m, p) for m in modules)]
 
     def why_not(self, module: str) -> str:
         """Why no rule selects `module` (for the ignore-list)."""
@@ -113,6 +119,25 @@ class Recipe:
 def default_recipe_path(moe: bool) -> Path:
     name = "qwen3_5_moe_w8a8.yaml" if moe else "qwen3_5_dense_w8a8.yaml"
     return Path(str(resources.files("npuport.recipes") / name))
+
+
+def shipped_recipes() -> dict[str, Path]:
+    """The recipes shipped with npuport (recipes/*.yaml), by name without `.yaml`."""
+    folder = resources.files("npuport.recipes")
+    return {Path(e.name).stem: Path(str(e)) for e in folder.iterdir() if e.name.endswith(".yaml")}
+
+
+def recipe_path_for(value: str) -> Path:
+    """`--recipe VALUE`: a recipe file, or the name of a shipped recipe (`qwen3_6_27b_w8a8`); RecipeError naming
+    both readings when it is neither."""
+    path = Path(value)
+    if path.is_file():
+        return path
+    shipped = shipped_recipes()
+    if value in shipped or value.removesuffix(".yaml") in shipped:
+        return shipped[value.removesuffix(".yaml")]
+    raise RecipeError(f"--recipe {value!r}: no such file, and no shipped recipe of that name (shipped: "
+                      f"{', '.join(sorted(shipped))})")
 
 
 # ---------------------------------------------------------------------------------------------------------

@@ -15,6 +15,7 @@ from npuport.convert.safetensors_io import TensorEntry, read_header, shown_name
 from npuport.errors import CheckpointError, NpuportError
 from npuport.jsonfile import read_json_object
 from npuport.paths import file_inside, hub_cache_blobs
+from npuport.tokenizer_folder import MAX_LAYERS  # beyond it a config is damaged: refused before use
 
 QWEN35_MODEL_TYPES = {"qwen3_5": False, "qwen3_5_text": False, "qwen3_5_moe": True, "qwen3_5_moe_text": True}
 INDEX_NAME = "model.safetensors.index.json"
@@ -22,9 +23,6 @@ SINGLE_NAME = "model.safetensors"
 CONFIG_NAME = "config.json"
 FULL_ATTENTION = "full_attention"
 LINEAR_ATTENTION = "linear_attention"
-# No model comes near this many decoder layers (Qwen3.5's largest has 60); a count beyond it is a damaged config,
-# refused before layer_types is built that long.
-MAX_LAYERS = 100_000
 
 
 def shown_value(value: object) -> str:
@@ -118,10 +116,22 @@ class ModelConfig:
             shared_expert_intermediate_size=fields.count("shared_expert_intermediate_size") if moe else 0,
             mtp_num_hidden_layers=fields.count("mtp_num_hidden_layers", minimum=0, default=0),
         )
+        fields.require_computed_variants()
         if config_.num_experts_per_tok > num_experts:
             raise CheckpointError(f"{where}: {fields.name('num_experts_per_tok')} {config_.num_experts_per_tok} "
                                   f"exceeds {fields.name('num_experts')} {num_experts}")
         return config_
+
+
+# Architecture keys of the published Qwen3.5 / 3.6 / 3.8 configs with the one value npuport's runtime (and every
+# published model) computes: another value asks for a model npuport would run wrongly, so it is refused by name.
+COMPUTED_VARIANTS: dict[str, object] = {
+    "attn_output_gate": True,  # full attention's q_proj carries the sigmoid output gate
+    "output_gate_type": "swish",  # the GatedDeltaNet output is norm(o) * silu(z)
+    "mamba_ssm_dtype": "float32",  # the GatedDeltaNet state is float32
+    "mtp_use_dedicated_embeddings": False,  # the MTP head shares embed_tokens and lm_head with the target
+    "mlp_only_layers": [],  # every layer has its mixer
+}
 
 
 class _ConfigFields:
@@ -180,6 +190,15 @@ class _ConfigFields:
         if not isinstance(value, int | float) or isinstance(value, bool) or not math.isfinite(value) or value <= 0:
             raise self.invalid("rope_parameters", {key: value}, f"an object whose {key} is a positive number")
         return float(value)
+
+    def require_computed_variants(self) -> None:
+        """Refuse, naming the key, a value of COMPUTED_VARIANTS' keys other than the one npuport computes (absent
+        is fine: the published default)."""
+        for key, computed in COMPUTED_VARIANTS.items():
+            value = self.raw(key, None)
+            if value is not None and (value != computed or type(value) is not type(computed)):
+                raise CheckpointError(f"{self.where}: {self.name(key)} is {shown_value(value)}; npuport runs Qwen3.5 "
+                                      f"models with {shown_value(computed)} only (every published model's)")
 
     def layer_types(self, n_layers: int) -> tuple[str, ...]:
         """`layer_types`, or the pattern `full_attention_interval` gives: every interval-th layer full attention."""

@@ -1,18 +1,20 @@
 """SHA-256 for a release: copy a file and hash it in the same pass, hash what is written to a stream, and
 read and write `SHA256SUMS` in the format of coreutils' `sha256sum` (so `sha256sum -c` checks it too). Also
-`write_fully`, the write loop every writer of npuport goes through."""
+`write_fully`, the write loop every writer of npuport goes through. Nothing here memory-maps a file: a file
+truncated by someone else while it is read must end a read short, not fault."""
 
 from __future__ import annotations
 
 import errno
 import hashlib
-import mmap
 import os
 import queue
 import re
 import threading
 from pathlib import Path
 from typing import Any, BinaryIO
+
+from npuport.errors import NpuportError
 
 SUMS_NAME = "SHA256SUMS"
 COPY_CHUNK = 4 * 1024 * 1024
@@ -30,18 +32,19 @@ def sha256_file(path: Path) -> str:
 
 
 def copy_with_sha256(src: Path, dst: Path, chunk: int = COPY_CHUNK, depth: int = COPY_DEPTH) -> str:
-    """Copy `src` to a new file `dst` and return the SHA-256 of the bytes copied, in one pass over `src`.
+    """Copy `src` to a new file `dst` and return the SHA-256 of the bytes written, in one pass over `src`.
 
-    `src` is memory-mapped: this thread hashes each chunk of the mapping and hands the same memory to a writer
-    thread, up to `depth` chunks ahead of it (hashlib and file writes release the GIL). No byte is copied
-    into a Python buffer, and hashing runs on while the kernel throttles a write. `src` must not shrink
-    while it is copied."""
+    `src` is read with positioned reads (pread) into `depth` buffers of `chunk` bytes, never memory-mapped: a
+    source truncated while it is copied ends the copy short - its digest then differs from the one the caller
+    checked it against - where a mapping would fault ("Bad address", or SIGBUS). This thread reads and hashes each
+    buffer and hands it to a writer thread, up to `depth` buffers ahead of it (hashlib and file I/O release the
+    GIL); the digest is of exactly the bytes handed to the writer, so it is the digest of what was written. At
+    most the size `src` had when opened is copied: a source that grows meanwhile is cut there."""
     digest = hashlib.sha256()
-    with open(src, "rb") as fin, open(dst, "xb", buffering=0) as fout:
-        if os.fstat(fin.fileno()).st_size == 0:
-            return digest.hexdigest()
-        with mmap.mmap(fin.fileno(), 0, access=mmap.ACCESS_READ) as mapped, memoryview(mapped) as view:
-            _hash_and_write(view, digest, fout, chunk, depth)
+    with open(src, "rb", buffering=0) as fin, open(dst, "xb", buffering=0) as fout:
+        size = os.fstat(fin.fileno()).st_size
+        if size:
+            _hash_and_write(fin.fileno(), size, digest, fout, min(chunk, size), depth)
     return digest.hexdigest()
 
 
@@ -72,57 +75,68 @@ def _naming(error: OSError, out: BinaryIO) -> OSError:
     return OSError(error.errno, error.strerror, name)
 
 
-def _hash_and_write(view: memoryview, digest: Any, out: BinaryIO, chunk: int, depth: int) -> None:
-    """Each thread takes its own views of `view` and releases them itself: only offsets cross between them, so
-    a Ctrl-C raised in this thread at any point never leaves a view that the other thread may still use."""
-    offsets: queue.SimpleQueue[int | None] = queue.SimpleQueue()
-    ahead = threading.Semaphore(depth)  # chunks hashed and not yet written
-    stop = threading.Event()  # a failure or an interrupt: the writer drains the offsets without writing
-    ended = threading.Event()  # the writer holds no view any more
+def _hash_and_write(fd: int, size: int, digest: Any, out: BinaryIO, chunk: int, depth: int) -> None:
+    """Read up to `size` bytes of the file `fd` into a ring of `depth` buffers, hash each and pass it to a writer
+    thread. Only buffer numbers and lengths cross between the threads; a buffer is read into again only once the
+    writer has released it (the semaphore), so a Ctrl-C raised here at any point never changes bytes the writer is
+    still writing."""
+    buffers = [bytearray(chunk) for _ in range(depth)]
+    pieces: queue.SimpleQueue[tuple[int, int] | None] = queue.SimpleQueue()
+    free = threading.Semaphore(depth)  # buffers not handed to the writer, or written already
+    stop = threading.Event()  # a failure or an interrupt: the writer drains the queue without writing
+    ended = threading.Event()  # the writer holds no buffer any more
     failure: list[BaseException] = []
 
     def write_all() -> None:
         try:
-            while (offset := offsets.get()) is not None:
+            while (piece := pieces.get()) is not None:
                 if not stop.is_set():
+                    number, length = piece
                     try:
-                        with view[offset:offset + chunk] as piece:  # released here, so the mapping can be closed
-                            write_fully(out, piece)
-                    except BaseException as e:  # reported by the hashing thread
+                        with memoryview(buffers[number]) as view, view[:length] as data:
+                            write_fully(out, data)
+                    except BaseException as e:  # reported by the reading thread
                         failure.append(e)
                         stop.set()
-                ahead.release()
+                free.release()
         finally:
             ended.set()
 
     writer = threading.Thread(target=write_all, name="copy-writer", daemon=True)
     writer.start()
     try:
-        for offset in range(0, len(view), chunk):
-            with view[offset:offset + chunk] as piece:
-                digest.update(piece)
-            ahead.acquire()
+        offset, number = 0, 0
+        while offset < size:
+            free.acquire()
             if stop.is_set():
                 break
-            offsets.put(offset)
+            with memoryview(buffers[number]) as view, view[:min(chunk, size - offset)] as room:
+                length = os.preadv(fd, [room], offset)
+                if length == 0:  # the source shrank since it was opened: the digest tells the caller
+                    break
+                with room[:length] as data:
+                    digest.update(data)
+            pieces.put((number, length))
+            offset += length
+            number = (number + 1) % depth
     except BaseException:
         stop.set()
         raise
     finally:
-        _wait_for_writer(offsets, stop, ended)
+        _wait_for_writer(pieces, stop, ended)
     if failure:
         raise failure[0]
 
 
-def _wait_for_writer(offsets: queue.SimpleQueue, stop: threading.Event, ended: threading.Event) -> None:
+def _wait_for_writer(pieces: queue.SimpleQueue, stop: threading.Event, ended: threading.Event) -> None:
     """Give the writer its end mark and wait until it has ended, however often Ctrl-C or SIGTERM interrupts the
-    wait; the first such interrupt is raised then. The writer holds a view of the memory map: a wait cut short
-    closed the map under it, and the signal ended in a BufferError traceback instead of its own line. Waits on
-    `ended`, not on a join: a join cut short by an interrupt takes the thread for ended (Python 3.11)."""
+    wait; the first such interrupt is raised then (the writer may still be writing a buffer, and the file it
+    writes must not be closed under it). Waits on `ended`, not on a join: a join cut short by an interrupt takes
+    the thread for ended (Python 3.11)."""
     interrupted: BaseException | None = None
     while True:
         try:
-            offsets.put(None)
+            pieces.put(None)
             ended.wait()
             break
         except BaseException as e:
@@ -157,8 +171,8 @@ class HashingWriter:
 def format_sums(digests: dict[str, str]) -> str:
     """`SHA256SUMS` text: one `<hex>  <path>` line per file (text mode, as sha256sum writes it), sorted."""
     for path in digests:
-        if "\n" in path or "\\" in path:
-            raise ValueError(f"{path!r}: sha256sum would escape this name; rename it")
+        if "\n" in path or "\r" in path or "\\" in path:
+            raise NpuportError(f"{path!r}: sha256sum would escape this name; rename it")
     return "".join(f"{digests[path]}  {path}\n" for path in sorted(digests))
 
 

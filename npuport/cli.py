@@ -98,7 +98,16 @@ dispatch_option = click.option(
          f"(int8 into W8A8 experts, BF16 into BF16 experts). Default: {BF16_ENV}=1 in the environment gives bf16, "
          f"{INT8_ENV}=1 int8, else auto. The MTP head always takes BF16.")
 dtype_option = click.option("--dtype", type=click.Choice(["bfloat16", "float16", "float32", "float64"]),
-                            default="bfloat16", show_default=True)
+                            default=None, help="Default: float32 on a CPU (bfloat16 is emulated there, about 10x "
+                                               "slower), bfloat16 on an NPU or GPU.")
+
+
+def resolved_dtype(dtype: str | None, device: str | None) -> str:
+    """--dtype, else the device's default (npuport.devices.default_dtype). Each command's first line about the model
+    names it: serve's "serving ...", validate's "loading ...", generate's first line."""
+    from npuport.devices import default_dtype
+
+    return dtype or default_dtype(device)
 
 
 def echo_to_stderr(message: str) -> None:
@@ -116,16 +125,23 @@ def _report_problems(subject: Path, problems: list[str]) -> None:
     click.echo(f"{subject}: OK")
 
 
+# The names of tiny_checkpoint.REAL_MODELS, repeated so that the command line starts without importing torch
+# (tests/test_make_tiny_like.py holds the two lists equal); typed in any case.
+LIKE_MODELS = ("27B", "35B-A3B", "122B-A10B", "397B-A17B", "Qwen3.6-27B", "Qwen3.6-35B-A3B", "Qwen3.8-27B",
+               "Qwen3.8-2.4T-A95B")
+
+
 @main.command("make-tiny")
 @click.argument("out", type=click.Path(path_type=Path))
-# The names of tiny_checkpoint.REAL_MODELS, repeated so that the command line starts without importing torch
-# (tests/test_make_tiny_like.py holds the two lists equal).
-@click.option("--like", type=click.Choice(["27B", "35B-A3B", "122B-A10B", "397B-A17B"]), default=None,
-              help="The real widths of that published Qwen3.5: hidden size, heads, GDN heads, experts, top-k and "
-                   "vocabulary, at --layers depth (default 4), with its MTP head; dense or MoE as the model is "
-                   "(instead of --arch and --size). Vocabulary 248320 although the tokenizer written has 2048 "
-                   "tokens: embedding and lm_head have their real size, for benchmarks. At 4 layers 27B is "
-                   "9 GB, 35B-A3B 10 GB, 122B-A10B 28 GB, 397B-A17B 70 GB.")
+@click.option("--like", type=click.Choice(LIKE_MODELS, case_sensitive=False), metavar=f"[{'|'.join(LIKE_MODELS)}]",
+              default=None,
+              help="The real widths of that published model (a size alone names a Qwen3.5): hidden size, heads, "
+                   "GDN heads, experts, top-k and vocabulary, at --layers depth (default 4), with its MTP head; "
+                   "dense or MoE as the model is, its config.json keys as published, in the layout it is released "
+                   "in (Qwen3.8-2.4T-A95B: text) (instead of --arch and --size). Vocabulary 248320 although the "
+                   "tokenizer written has 2048 tokens: embedding and lm_head have their real size, for benchmarks. "
+                   "At 4 layers the 27Bs are 9 GB, the 35B-A3Bs 10 GB, 122B-A10B 28 GB, 397B-A17B 70 GB, "
+                   "Qwen3.8-2.4T-A95B 271 GB (113 GB at 1 layer: 52 GB of experts per MoE layer, the MTP's too).")
 @click.option("--layers", type=click.IntRange(min=1), default=None,
               help="Decoder layers (default: 4 with --like, else the preset's); each fourth is full attention, "
                    "the others GatedDeltaNet, as in the real models.")
@@ -153,20 +169,31 @@ def make_tiny_cmd(ctx: click.Context, out: Path, like: str | None, layers: int |
         given = [f"--{p}" for p in ("arch", "size") if ctx.get_parameter_source(p) is typed]
         if given:
             raise NpuportError(f"--like {like} sets the architecture and sizes; leave out {' and '.join(given)}")
-        spec = like_spec(like, layers, seed, layout, mtp_experts, tie_word_embeddings)
+        # a --layout left out is the model's own (the text-only release has no multimodal one)
+        chosen = layout if ctx.get_parameter_source("layout") is typed else None
+        spec = like_spec(like, layers, seed, chosen, mtp_experts, tie_word_embeddings)
     else:
         spec = TinySpec(arch, layout, mtp_experts, size, seed, tie_word_embeddings, layers)
     make_tiny(out, spec, progress=lambda msg: click.echo(msg, err=True), show_progress=not quiet)
-    click.echo(f"wrote {spec.arch} {like or size} Qwen3.5 checkpoint ({layout} layout) to {out}")
+    click.echo(f"wrote {spec.arch} {like or size} Qwen3.5 checkpoint ({spec.layout} layout) to {out}")
 
 
 @main.command("convert-qwen35")
 @click.argument("src", type=click.Path(path_type=Path, exists=True, file_okay=False))
 @click.argument("out", type=click.Path(path_type=Path))
-@click.option("--a8w8", "a8w8", is_flag=True, required=True,
-              help="W8A8_DYNAMIC: int8 weights per channel, int8 activations per token (the only scheme).")
-@click.option("--recipe", "recipe_path", type=click.Path(path_type=Path, exists=True, dir_okay=False),
-              help="An msModelSlim YAML recipe (default: the shipped Qwen3.5 dense or MoE recipe, from config.json).")
+@click.option("--a8w8", "a8w8", is_flag=True, default=True,
+              help="W8A8_DYNAMIC: int8 weights per channel, int8 activations per token (the only scheme, so the "
+                   "default; accepted for scripts that name it).")
+@click.option("--recipe", "recipe_name", metavar="FILE|NAME",
+              help="An msModelSlim YAML recipe file, or the name of a recipe shipped with npuport (qwen3_5_dense_w8a8, "
+                   "qwen3_5_moe_w8a8, qwen3_5_235b_w8a8, qwen3_6_27b_w8a8, qwen3_6_dense_w8a8; README's recipe table "
+                   "says which does what). Default: the shipped Qwen3.5 dense or MoE recipe, from config.json.")
+@click.option("--engine", "engine_name", metavar="ENGINE[==VERSION]",
+              help="The serving engine the artifact is for (sglang or vllm-ascend; default release: the newest "
+                   "npuport's table of engine facts was checked against). Layers that release is known not to load "
+                   "quantized are kept BF16, each named in the ignore-list with the engine, its releases and the "
+                   "issue. Without it the artifact is what the recipe asks, as msModelSlim writes it; `npuport check` "
+                   "then says which engines load it.")
 @click.option("--force", is_flag=True, help="Replace OUT if it exists, once the new artifact is complete; only an "
               "artifact or release npuport wrote, or an empty folder, is replaced.")
 @click.option("--workers", type=click.IntRange(1, 64), default=1, show_default=True,
@@ -179,16 +206,21 @@ def make_tiny_cmd(ctx: click.Context, out: Path, like: str | None, layers: int |
               help="Record the sha256 of every source shard in the manifest (one more read of the source); "
                    "by default a fingerprint of the config, index and shard headers is recorded.")
 @click.option("--quiet", is_flag=True, help="No progress bar.")
-def convert_cmd(src: Path, out: Path, a8w8: bool, recipe_path: Path | None, force: bool, workers: int,
-                skip_unsupported: bool, part_file_size: float | None, source_sha256: bool, quiet: bool) -> None:
+def convert_cmd(src: Path, out: Path, a8w8: bool, recipe_name: str | None, engine_name: str | None, force: bool,
+                workers: int, skip_unsupported: bool, part_file_size: float | None, source_sha256: bool,
+                quiet: bool) -> None:
     """Convert the Qwen3.5 BF16 checkpoint SRC into an msModelSlim-format W8A8 artifact OUT.
 
     The MTP head (mtp.*) and every layer on the ignore-list stay BF16; the ignore-list is printed and
     saved in OUT/npuport_manifest.json. OUT appears only when complete and checked.
     """
     from npuport.convert.converter import convert_qwen35
+    from npuport.convert.engine_facts import EngineTarget
+    from npuport.convert.recipe import recipe_path_for
 
-    result = convert_qwen35(src, out, recipe_path=recipe_path, force=force, workers=workers,
+    recipe_path = recipe_path_for(recipe_name) if recipe_name is not None else None
+    engine = EngineTarget.parse(engine_name) if engine_name is not None else None
+    result = convert_qwen35(src, out, recipe_path=recipe_path, engine=engine, force=force, workers=workers,
                             skip_unsupported=skip_unsupported, part_file_size_gb=part_file_size,
                             show_progress=not quiet, full_sha256=source_sha256, log=lambda m: click.echo(m, err=True))
     mb = result.bytes_written / 1e6
@@ -205,14 +237,17 @@ def check_cmd(folder: Path) -> None:
     the engine rules: what vLLM, sglang and transformers assert of a Qwen3.5 config and folder (rotary and M-RoPE
     sizes, heads, layer kinds, tokenizer, vision tokens, processor files; docs/ENGINE_RULES.md). Then warn of what
     serving engines are known to do with a folder like it (npuport's table of engine facts, each with its workaround
-    and source)."""
+    and source), and say for an artifact which engines (sglang, vllm-ascend; their newest releases checked) load
+    it and which cannot, with the remedy."""
     from npuport.convert.check import check_folder
-    from npuport.convert.engine_facts import folder_facts
+    from npuport.convert.engine_facts import engine_support, folder_facts
 
     problems = check_folder(folder)
     if not problems:
         for fact in folder_facts(folder, "breaks"):
             click.echo(f"warning: {fact.warning()}")
+        for line in engine_support(folder):
+            click.echo(f"engine: {line}")
     _report_problems(folder, problems)
 
 
@@ -221,11 +256,12 @@ def check_cmd(folder: Path) -> None:
               help="Where the demo writes; rebuilt on every run (only if an earlier demo made it).")
 @click.option("--model", type=click.Choice(["trained", "random-dense", "random-moe"]), default="trained",
               show_default=True, help="trained: the tiny checkpoint shipped with npuport, trained with its MTP head "
-              "on GSM8K; random-*: make-tiny weights (MTP drafts are then never accepted).")
+              "on GSM8K text and arithmetic word problems; random-*: make-tiny weights (MTP drafts are then never "
+              "accepted).")
 def demo_cmd(workdir: Path, model: str) -> None:
     """Run the whole job on a small Qwen3.5 on CPU: convert its BF16 source to W8A8, check it, validate it
-    against the source on a few GSM8K questions (fidelity, throughput, MTP acceptance), package the release
-    and verify it."""
+    against the source on a few of the arithmetic word problems shipped with npuport, in GSM8K's format (accuracy,
+    fidelity, throughput, MTP acceptance), package the release and verify it."""
     from npuport.demo import run_demo
 
     out = run_demo(workdir, model, log=lambda m: click.echo(m))
@@ -258,9 +294,12 @@ def package_cmd(artifact: Path, out: Path, report: Path | None, base_model: str 
 @click.argument("release", type=click.Path(path_type=Path, exists=True, file_okay=False))
 def verify_release_cmd(release: Path) -> None:
     """Check a packaged RELEASE: checksums, the checkpoint contract, the model card's figures against
-    validation/report.json, no BF16 files; list every problem, exit 1 if any."""
-    from npuport.release.verify import SCOPE, verify_release
+    validation/report.json (figures and labels), no BF16 files; list every problem, exit 1 if any. Warns of a
+    release that carries no measurement (no validation report)."""
+    from npuport.release.verify import SCOPE, release_warnings, verify_release
 
+    for warning in release_warnings(release):
+        click.echo(f"warning: {warning}", err=True)
     _report_problems(release, verify_release(release))
     click.echo(SCOPE)
 
@@ -269,7 +308,9 @@ def verify_release_cmd(release: Path) -> None:
 @click.argument("model", type=click.Path(path_type=Path, exists=True, file_okay=False))
 @click.option("--prompt", "texts", multiple=True, help="A text prompt (repeat for a batch).")
 @click.option("--prompt-ids", "id_prompts", multiple=True, help="A prompt as token ids, e.g. 1,2,3 (repeatable).")
-@click.option("--max-new-tokens", type=click.IntRange(min=1), default=64, show_default=True)
+@click.option("--max-new-tokens", type=click.IntRange(min=1), default=64, show_default=True,
+              help="Refused when the longest prompt and these exceed the model's context (config.json "
+                   "max_position_embeddings; 262,144 where it states none), before anything is allocated.")
 @mtp_option
 @click.option("--temperature", type=click.FloatRange(min=0.0), default=0.0, show_default=True, help="0 = greedy.")
 @click.option("--top-p", type=click.FloatRange(0.0, 1.0, min_open=True), default=1.0, show_default=True)
@@ -291,6 +332,7 @@ def generate_cmd(model: Path, texts: tuple[str, ...], id_prompts: tuple[str, ...
     from npuport.runtime.textgen import format_report, run_generate
 
     check_split(model, devices)
+    dtype = resolved_dtype(dtype, device)
     report = on_devices(run_generate, (model, texts, id_prompts, max_new_tokens, mtp,
                                        SamplingParams(temperature, top_p, seed), device, dtype, batch_invariant,
                                        dispatch),
@@ -310,9 +352,33 @@ from npuport.runtime.validation.gsm8k import (  # noqa: E402
 )
 
 
+class _GateLevel(click.ParamType):
+    """A gate's number within [low, high], or "off" (None: no gate); with `chance`, also "chance" (gates.CHANCE)."""
+
+    def __init__(self, low: float, high: float | None, chance: bool = False) -> None:
+        self.low, self.high, self.chance = low, high, chance
+        self.name = ("chance|" if chance else "") + "NUMBER|off"
+
+    def convert(self, value, param, ctx):  # noqa: ANN001, ANN201
+        if value is None or isinstance(value, float) or (self.chance and value == "chance"):
+            return value
+        if value == "off":
+            return None
+        try:
+            number = float(value)
+        except ValueError:
+            number = None
+        if number is None or number < self.low or (self.high is not None and number > self.high):
+            self.fail(f"{value!r}: give " + ("'chance', " if self.chance else "") + f"a number from {self.low:g}"
+                      + (f" to {self.high:g}" if self.high is not None else " up") + ", or 'off'", param, ctx)
+        return number
+
+
 @main.command("validate")
 @click.argument("artifact", type=click.Path(path_type=Path, exists=True, file_okay=False), required=False)
-@click.option("--gsm8k", "gsm8k", is_flag=True, required=True, help="Run GSM8K (the benchmark validate runs).")
+@click.option("--gsm8k", "gsm8k", is_flag=True, default=True,
+              help="Run GSM8K or a set in its format (--data): the benchmark validate runs, so the default; accepted "
+                   "for scripts that name it.")
 @click.option("--protocol", type=click.Choice(PROTOCOLS), default=DEFAULT_PROTOCOL, show_default=True,
               help="Whose GSM8K conventions: prompts, scored questions, stop strings, answer extraction.")
 @click.option("--data", type=click.Path(path_type=Path, exists=True),
@@ -382,9 +448,14 @@ from npuport.runtime.validation.gsm8k import (  # noqa: E402
               help="Fidelity on the first N questions only (default: all of them).")
 @click.option("--throughput/--no-throughput", default=True, show_default=True,
               help="Time prefill and decode on the built-in runtime.")
-@click.option("--max-accuracy-drop", type=click.FloatRange(min=0), default=1.0, show_default=True,
+@click.option("--max-accuracy-drop", type=_GateLevel(0, None), default=1.0, show_default=True,
               help="Gate (with --reference): fail when the artifact's accuracy is more than this many points below "
-                   "the reference's.")
+                   "the reference's; off: no such gate.")
+@click.option("--min-accuracy", type=_GateLevel(0, 100, chance=True), default="chance", show_default=True,
+              help="Gate, with or without a reference: fail unless the artifact's accuracy is above chance - higher "
+                   "than the accuracy of always giving the most common gold answer of the questions run, so a model "
+                   "answering at chance, or every question wrong, fails - or, given a number, at least that many "
+                   "percent; off: no such gate. The report names the floor and the answer behind it.")
 @click.option("--min-acceptance", type=click.FloatRange(min=1.0), default=None,
               help="Gate (with --mtp): fail when the MTP mean acceptance length - accepted drafts + 1 per verify "
                    "round, 1 to K+1 - is below this.")
@@ -392,7 +463,13 @@ from npuport.runtime.validation.gsm8k import (  # noqa: E402
               help='For aisbench\'s chat prompt, e.g. \'{"enable_thinking": false}\'.')
 @click.option("--out", "out", type=click.Path(path_type=Path), default=None,
               help="Report folder (default: ./validation-<ARTIFACT folder name>, without ARTIFACT "
-                   "./validation-endpoint).")
+                   "./validation-endpoint). Results are written there as they are made; while it holds a file "
+                   "PARTIAL the run is unfinished, and the same command continues it.")
+@click.option("--resume", is_flag=True, default=False,
+              help="Continue the run stopped in --out (killed, interrupted, crashed): what it finished is kept, the "
+                   "rest is run, and the report is what an uninterrupted run writes. Refused when an option that "
+                   "decides the results differs. Without --resume the same command continues it too; a finished "
+                   "folder is then started over.")
 def validate_cmd(artifact: Path | None, gsm8k: bool, protocol: str, data: Path | None, num_questions: int | None,
                  shots: int | None, max_new_tokens: int | None, batch_size: int, mtp: int, seed: int,
                  reference: Path | None,
@@ -404,14 +481,14 @@ def validate_cmd(artifact: Path | None, gsm8k: bool, protocol: str, data: Path |
                  retries: int,
                  device: str | None, devices: int, dtype: str, batch_invariant: bool | None, dispatch: str | None,
                  fidelity_questions: int | None, throughput: bool,
-                 max_accuracy_drop: float, min_acceptance: float | None, chat_template_kwargs: str | None,
-                 out: Path | None) -> None:
+                 max_accuracy_drop: float | None, min_accuracy: float | str | None, min_acceptance: float | None,
+                 chat_template_kwargs: str | None, out: Path | None, resume: bool) -> None:
     """Validate the W8A8 ARTIFACT: GSM8K accuracy, and with --reference (or --reference-endpoint) the paired
     difference and fidelity against the BF16 source; throughput and MTP acceptance; report.json, report.md, plots
     and completions.jsonl. Either side may run on a server (--endpoint, --reference-endpoint). ARTIFACT (the model's
     folder) is needed unless the model runs on --endpoint and --tokenizer names its tokenizer. --repeat and
     --mtp-reference-endpoint / --compare-without-mtp measure whether greedy output is deterministic. Exits 1 when a
-    gate fails."""
+    gate fails. A stopped run is continued by the same command (or with --resume), from what it wrote to --out."""
     from npuport.jsonfile import parse_json
     from npuport.runtime.several_devices import check_split, on_devices
     from npuport.runtime.validation.validate import ValidateOptions, run_validation
@@ -422,6 +499,7 @@ def validate_cmd(artifact: Path | None, gsm8k: bool, protocol: str, data: Path |
         raise NpuportError(f"--chat-template-kwargs is not JSON: {e}") from None
     if not isinstance(template_kwargs, dict):
         raise NpuportError("--chat-template-kwargs must be a JSON object")
+    dtype = resolved_dtype(dtype, device)
     options = ValidateOptions(artifact, protocol, data, num_questions, shots, max_new_tokens, batch_size, mtp, seed,
                               reference, endpoint, endpoint_model, parallel, timeout_s, retries, device, dtype,
                               fidelity_questions, throughput, max_accuracy_drop, min_acceptance, template_kwargs,
@@ -430,7 +508,7 @@ def validate_cmd(artifact: Path | None, gsm8k: bool, protocol: str, data: Path |
                               dispatch=dispatch, api_key=api_key, tokenizer=tokenizer, repeat=repeat,
                               mtp_reference_endpoint=mtp_reference_endpoint,
                               mtp_reference_endpoint_model=mtp_reference_endpoint_model,
-                              compare_without_mtp=compare_without_mtp)
+                              compare_without_mtp=compare_without_mtp, resume=resume, min_accuracy=min_accuracy)
     options.check()
     if devices > 1 and endpoint:
         raise NpuportError("--devices splits the built-in runtime's model; with --endpoint the server runs it")
@@ -442,7 +520,15 @@ def validate_cmd(artifact: Path | None, gsm8k: bool, protocol: str, data: Path |
 
         quiet_selftest(device)
     default_out = Path(f"validation-{artifact.resolve().name if artifact is not None else 'endpoint'}")
-    outcome = on_devices(run_validation, (options, out or default_out, echo_to_stderr), devices, device)
+    out = out or default_out
+    try:
+        outcome = on_devices(run_validation, (options, out, echo_to_stderr), devices, device)
+    except KeyboardInterrupt:  # Ctrl-C, SIGTERM, SIGHUP
+        from npuport.runtime.validation.journal import PARTIAL_NAME
+
+        if (out / PARTIAL_NAME).exists():
+            click.echo(f"{out} keeps what was finished; the same command with --resume continues it", err=True)
+        raise
     if outcome is None:  # a torchrun rank other than 0: rank 0 reports
         return
     files = outcome.files
@@ -522,6 +608,7 @@ def serve_cmd(model: Path, port: int, host: str, served_model_name: str | None, 
     from npuport.runtime.several_devices import check_split, on_devices
 
     check_split(model, devices)
+    dtype = resolved_dtype(dtype, device)
     if devices == 1:
         from npuport.runtime.selftest.run import quiet_selftest
 

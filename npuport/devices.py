@@ -47,6 +47,12 @@ def pick_device(kind: str | None = None) -> torch.device:
     return torch.device(device_kind(kind))
 
 
+def default_dtype(kind: str | None = None) -> str:
+    """The float dtype the runtime runs in when none is asked for (serve, validate, generate): float32 on a CPU,
+    where bfloat16 arithmetic is emulated and about 10x slower; bfloat16 on an NPU or a GPU."""
+    return "float32" if device_kind(kind) == "cpu" else "bfloat16"
+
+
 # What the kernels and the generation loop ask of a device. Everything that names a device kind is here.
 
 # Ascend AI cores when the driver cannot say (Atlas A2: 24 cube cores, 48 vector cores).

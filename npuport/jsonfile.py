@@ -21,10 +21,29 @@ class JSONBoundError(ValueError):
     """JSON text nested deeper than MAX_DEPTH, or with an integer longer than MAX_INT_DIGITS."""
 
 
+class DuplicateKeyError(ValueError):
+    """A JSON object that holds a key twice: Python's parser would keep the last value without a word."""
+
+
+def unique_keys(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
+    """json's object_pairs_hook refusing a key that appears twice in one object (DuplicateKeyError naming it)."""
+    obj: dict[str, Any] = {}
+    for key, value in pairs:
+        if key in obj:
+            shown = repr(key) if len(key) <= 80 else repr(key[:80]) + "..."
+            raise DuplicateKeyError(f"key {shown} appears twice in one object")
+        obj[key] = value
+    return obj
+
+
 def parse_json(text: str, **hooks: Any) -> Any:
     """`json.loads(text, **hooks)` within npuport's bounds. Raises ValueError for text that is not JSON, and
     JSONBoundError (a ValueError) for JSON nested deeper than MAX_DEPTH or holding an integer of more than
-    MAX_INT_DIGITS digits; never RecursionError. The messages quote no part of the text."""
+    MAX_INT_DIGITS digits; never RecursionError. A key twice in one object is a DuplicateKeyError (a ValueError)
+    naming the key, unless the caller gives hooks of its own for objects. The messages quote no other part of the
+    text."""
+    if "object_hook" not in hooks and "object_pairs_hook" not in hooks:
+        hooks["object_pairs_hook"] = unique_keys
     if _has_long_digit_run(text):  # else no integer can be too long, and the parser keeps its fast path
         hooks["parse_int"] = _bounded_int(hooks.get("parse_int", int))
     try:

@@ -1,8 +1,16 @@
 """Where convert and package put their output: built in a hidden `.OUT.npuport-partial` beside OUT and swapped
 into place when complete, so that OUT is always absent, the previous one or the new one - after an error, a
-signal or a kill (the next run puts right what a kill left). One run at a time writes an OUT: a second one is
-refused while the first holds OUT's lock. And the rule for --force: only an output npuport wrote, or an empty
-folder, is ever replaced. Imports only the shared helpers."""
+signal or a kill (the next run puts right what a kill left). One run at a time writes any path: a run locks every
+output it writes (OUT, and with --archive OUT.tar and OUT.tar.sha256; each one's partial and set-aside names derive
+from it), so a second run writing any of them is refused while the first runs. And the rule for --force: only an
+output npuport wrote, or an empty folder, is ever replaced. Imports only the shared helpers.
+
+Locks. Each output F has its lock file `.F.npuport-lock`, flock(2)ed by the run writing F (the kernel releases it
+when the process ends, however it ends). A lock file is only a name, which anyone may delete: a second run then
+takes a fresh lock on a new file. So a run also holds a flock on everything it has created beside OUT while it
+writes - each partial output (a folder or a file) and the swap journal - and a run never removes or rolls back
+what another process holds that way: it refuses instead, naming the file. A third party's `rm` of a lock file
+therefore lets no second run touch the first one's work."""
 
 from __future__ import annotations
 
@@ -13,10 +21,11 @@ import os
 import shlex
 import shutil
 import signal
+import stat
 import sys
 import threading
 from collections.abc import Callable, Iterator, Mapping
-from contextlib import contextmanager
+from contextlib import ExitStack, contextmanager
 from pathlib import Path
 
 from npuport.checksums import SUMS_NAME, parse_sums
@@ -35,6 +44,7 @@ MAX_LOCK_BYTES = 64 * 1024  # what is read of a lock file to name its holder
 HELD_SIGNALS = tuple(s for s in (signal.SIGINT, signal.SIGTERM, getattr(signal, "SIGHUP", None)) if s is not None)
 MAX_SUMS_BYTES = 1 << 20  # a SHA256SUMS larger than this is not one npuport wrote (and is not read whole)
 FREE_MARGIN = 0.98  # leave 2% of the free space: file systems reserve some, and the small files are not counted
+HIDDEN_SUFFIXES = (PARTIAL, OLD, SWAPPING, SWAPPED, LOCK)  # an output named so would be taken for npuport's own
 
 
 def hidden(path: Path, suffix: str) -> Path:
@@ -177,6 +187,40 @@ def _this_command() -> str:
     return shlex.join([Path(sys.argv[0]).name, *sys.argv[1:]]) if sys.argv else "python"
 
 
+def _kind(mode: int) -> str:
+    """What a file that is not a regular one is, in a few words."""
+    for test, words in ((stat.S_ISDIR, "a folder"), (stat.S_ISFIFO, "a named pipe (FIFO)"),
+                        (stat.S_ISSOCK, "a socket"), (stat.S_ISCHR, "a character device"),
+                        (stat.S_ISBLK, "a block device"), (stat.S_ISLNK, "a symbolic link")):
+        if test(mode):
+            return words
+    return "not a regular file"
+
+
+def held_elsewhere(path: Path) -> bool:
+    """Whether another open file holds a flock on `path` (a regular file or a folder, never followed through a
+    symbolic link): a run writing it is alive. False for anything else, or where flock is not available."""
+    try:
+        mode = os.lstat(path).st_mode
+    except OSError:
+        return False
+    if not (stat.S_ISREG(mode) or stat.S_ISDIR(mode)):
+        return False
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC | os.O_NOFOLLOW | os.O_NONBLOCK)
+    except OSError:
+        return False
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        return True
+    except OSError:
+        return False
+    finally:
+        os.close(fd)  # releases the flock taken, if any
+    return False
+
+
 def _holder(fd: int) -> str:
     """` (pid N: COMMAND)` from the lock file `fd`, or "" where it records neither (being written, or not
     npuport's)."""
@@ -195,11 +239,14 @@ class OutputFolder:
     Use: `prepare` (put right what a killed run left, refuse what may not be replaced), then `with building(...)
     as tmp:` write into tmp and call `commit` last. Errors are `error`, one line naming OUT or the file.
 
-    While it changes anything beside OUT - puts leftovers right, writes, swaps - a run holds OUT's lock,
-    `.OUT.npuport-lock` (flock: the kernel releases it when the process ends, however it ends), and a second run
-    is refused at once, naming the first. `prepare` holds it only while it puts right and looks; `building` takes
-    it again, looks again (the first look may be out of date) and holds it to the end. So a run that fails
-    between the two never keeps OUT locked, whatever it does with the error."""
+    While it changes anything beside OUT - puts leftovers right, writes, swaps - a run holds the lock of every
+    output it writes, `.F.npuport-lock` for each F of OUT, OUT.tar and OUT.tar.sha256 (flock: the kernel releases
+    it when the process ends, however it ends), and a second run writing any of them is refused at once, naming the
+    first and the lock file. `prepare` holds them only while it puts right and looks; `building` takes them again,
+    looks again (the first look may be out of date) and holds them to the end. So a run that fails between the two
+    never keeps OUT locked, whatever it does with the error. While it writes, a run also holds a flock on each
+    partial output and on its swap journal (`anchor`): what it puts right is never what a live run holds, even
+    when someone has deleted that run's lock file (the module's docstring says why)."""
 
     def __init__(self, out: Path, error: type[NpuportError] = NpuportError, log: Callable[[str], None] = print, *,
                  archive: bool = False) -> None:
@@ -208,13 +255,44 @@ class OutputFolder:
             self.out = Path(os.path.abspath(self.out))
         self.error, self.log = error, log
         self.finals = [*archive_paths(self.out), self.out] if archive else [self.out]  # OUT last: moved in last
+        for final in self.finals:
+            if final.name.endswith(HIDDEN_SUFFIXES):
+                raise error(f"{final}: a name ending in {next(x for x in HIDDEN_SUFFIXES if final.name.endswith(x))} "
+                            "is npuport's own name for its work in progress; choose another name")
         self.replacing: list[Path] = []
         self.force = False
         self.unlocked = False  # OUT's folder does not take locks (warned once)
+        self._anchors: list[int] = []  # fds holding a flock on what this run is writing beside OUT
 
     def partial(self, final: Path | None = None) -> Path:
         """Where `final` (OUT by default) is written until it is moved into place."""
         return hidden(self.out if final is None else final, PARTIAL)
+
+    def create_partial(self, final: Path) -> Path:
+        """Create the partial file of `final` (OUT.tar...), empty, held by this run (`anchor`) until `building`
+        ends; returns its path, for the caller to write (without truncating or recreating it)."""
+        path = self.partial(final)
+        os.close(os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o644))
+        self.anchor(path)
+        return path
+
+    def anchor(self, path: Path) -> None:
+        """Hold a flock on `path`, a file or folder this run created beside OUT, until `building` ends: a run that
+        finds it held leaves it alone (held_elsewhere). Where flock is not available, nothing is held."""
+        try:
+            fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC | os.O_NOFOLLOW | os.O_NONBLOCK)
+        except OSError:
+            return
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except OSError:
+            os.close(fd)
+            return
+        self._anchors.append(fd)
+
+    def _release_anchors(self) -> None:
+        while self._anchors:
+            os.close(self._anchors.pop())
 
     def prepare(self, inputs: Mapping[str, Path | None], force: bool) -> None:
         """Refuse an OUT that is, contains or lies inside one of `inputs` ({what: path}); then, holding OUT's lock,
@@ -271,6 +349,7 @@ class OutputFolder:
                 tmp.mkdir()
             except OSError as e:
                 raise self.error(self._cannot_write(e)) from None
+            self.anchor(tmp)
             try:
                 yield tmp
             except OSError as e:
@@ -279,27 +358,50 @@ class OutputFolder:
             except BaseException:
                 self.discard()
                 raise
+            finally:
+                self._release_anchors()
 
     @contextmanager
     def _locked(self) -> Iterator[None]:
-        """Hold OUT's lock, or refuse at once, naming the run that holds it."""
-        path = hidden(self.out, LOCK)
+        """Hold the lock of every output this run writes (taken in one order, so that two runs never hold one
+        each), or refuse at once, naming the run that holds one and its lock file."""
+        with ExitStack() as held:
+            for path, final in sorted((hidden(f, LOCK), f) for f in self.finals):
+                held.enter_context(self._lock(path, final))
+            yield
+
+    def _open_lock(self, path: Path) -> int:
+        """The lock file at `path`, opened (created if missing): a regular file, never followed through a symbolic
+        link (truncating what it points to would destroy that file); anything else is refused, naming it."""
+        not_ours = "which npuport's lock file never is; remove it"
+        try:
+            fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC | os.O_NOFOLLOW | os.O_NONBLOCK, 0o644)
+        except OSError as e:
+            if e.errno == errno.ELOOP:
+                raise self.error(f"{path} is a symbolic link, {not_ours}") from None
+            if e.errno in (errno.EISDIR, errno.ENXIO, errno.ENODEV, errno.EOPNOTSUPP):
+                mode = os.lstat(path).st_mode if os.path.lexists(path) else 0
+                raise self.error(f"{path} is {_kind(mode)}, {not_ours}") from None
+            raise self.error(self._cannot_write(e)) from None
+        mode = os.fstat(fd).st_mode
+        if not stat.S_ISREG(mode):
+            os.close(fd)
+            raise self.error(f"{path} is {_kind(mode)}, {not_ours}")
+        return fd
+
+    @contextmanager
+    def _lock(self, path: Path, final: Path) -> Iterator[None]:
+        """Hold the lock file `path` of the output `final`, or refuse at once, naming the run that holds it."""
         with signals_held():  # taken and released whole: a lock left open would block every later run
             while True:
-                try:  # never through a symbolic link: truncating what it points to would destroy that file
-                    fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC | os.O_NOFOLLOW, 0o644)
-                except OSError as e:
-                    if e.errno == errno.ELOOP:
-                        raise self.error(f"{path} is a symbolic link, which npuport's lock file never is; remove "
-                                         "it") from None
-                    raise self.error(self._cannot_write(e)) from None
+                fd = self._open_lock(path)
                 try:
                     fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
                 except BlockingIOError:
                     holder = _holder(fd)
                     os.close(fd)
-                    raise self.error(f"{self.out} is being written by another npuport run{holder}; wait for it "
-                                     "to end, or stop it") from None
+                    raise self.error(f"{final} is being written by another npuport run{holder}; wait for it to "
+                                     f"end, or stop it (its lock file: {path})") from None
                 except OSError as e:  # a file system without flock (some network and FUSE ones): go on unlocked
                     if not self.unlocked:
                         self.log(f"warning: {path.parent} does not take locks ({e.strerror or e}); another run "
@@ -313,8 +415,14 @@ class OutputFolder:
                 if same:
                     break
                 os.close(fd)  # the file its last holder removed when it was done: lock the one now at `path`
-            os.ftruncate(fd, 0)
-            os.write(fd, json.dumps({"pid": os.getpid(), "command": _this_command()}).encode("utf-8"))
+            try:
+                os.ftruncate(fd, 0)
+                os.write(fd, json.dumps({"pid": os.getpid(), "command": _this_command()}).encode("utf-8"))
+            except OSError as e:
+                os.close(fd)
+                path.unlink(missing_ok=True)
+                raise self.error(f"{path}: cannot write npuport's lock file: {e.strerror or e}; {final} "
+                                 + ("is unchanged" if os.path.lexists(final) else "was not written")) from None
         try:
             yield
         finally:
@@ -336,6 +444,7 @@ class OutputFolder:
         arrived: list[int] = []
         with signals_held(arrived):
             swapping.write_text(json.dumps([f.name for f in placing]), encoding="utf-8")
+            self.anchor(swapping)
             for final in self.replacing:
                 final.rename(hidden(final, OLD))
             for final in placing:
@@ -356,7 +465,12 @@ class OutputFolder:
     def recover(self) -> None:
         """Put right what a run killed here left behind, each with a log line: a swap cut short is rolled back, or
         finished when its last rename was done; a set-aside output is restored where nothing took its place (else
-        deleted); partial outputs are removed."""
+        deleted); partial outputs are removed. Refuses, changing nothing, when another process holds any of them
+        (its run is alive: someone deleted its lock file)."""
+        for path in [hidden(self.out, SWAPPING), hidden(self.out, SWAPPED), *map(self.partial, self.finals)]:
+            if held_elsewhere(path):
+                raise self.error(f"{path} is being written by another npuport run, whose lock file someone "
+                                 f"deleted; wait for that run to end, or stop it (nothing was changed)")
         self._settle(report_partials=True)
 
     def _settle(self, report_partials: bool) -> None:

@@ -158,18 +158,32 @@ class GatedDeltaNet(nn.Module):
         self.dt_bias = nn.Parameter(torch.ones(self.n_v_heads), requires_grad=False)
         self.norm = GatedRMSNorm(self.v_dim, config.rms_norm_eps)
         self.out_proj = Linear(self.n_v_heads * self.v_dim, h)
-        self.in_proj: StackedLinear | None = None  # the four input projections as one GEMM once stacked
+        # The four input projections as one GEMM once stacked; as two (in_proj_qkv with in_proj_z, in_proj_b with
+        # in_proj_a) where the artifact quantized the first pair and kept the small second pair FLOAT, as
+        # msModelSlim's Qwen3.6 recipes do.
+        self.in_proj: tuple[StackedLinear, ...] | None = None
 
     def input_projections(self) -> tuple[Linear | W8A8Linear, ...]:
         return self.in_proj_qkv, self.in_proj_z, self.in_proj_b, self.in_proj_a
 
     def stack_projections(self) -> None:
-        self.in_proj = stack_linears(self.input_projections())
+        whole = stack_linears(self.input_projections())
+        if whole is not None:
+            self.in_proj = (whole,)
+            return
+        pairs = (stack_linears([self.in_proj_qkv, self.in_proj_z]), stack_linears([self.in_proj_b, self.in_proj_a]))
+        self.in_proj = pairs if None not in pairs else None
+
+    def project_input(self, x: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        """x [B, T, hidden] -> (mixed qkv [B, T, conv_dim], z [B, T, HV*V], b logits [B, T, HV], a [B, T, HV])."""
+        if self.in_proj is None:
+            return project(None, self.input_projections(), x)
+        return tuple(out for stacked in self.in_proj for out in stacked(x))
 
     def forward(self, x: torch.Tensor, state: GDNState, step: Step) -> torch.Tensor:
         b, t, _ = x.shape
         # b_logits and a sit side by side in one stacked output: the recurrent kernel reads both with one stride
-        mixed, z, b_logits, a = project(self.in_proj, self.input_projections(), x)
+        mixed, z, b_logits, a = self.project_input(x)
         weight = self.conv1d.weight[:, 0]  # [conv_dim, W]
         if not step.prefill:
             if t > state.slots:

@@ -13,14 +13,13 @@ from pathlib import Path
 import torch
 
 from npuport.errors import NpuportError
-from npuport.jsonfile import read_json_object
 from npuport.runtime.completion import LENGTH, STOP, Completion, CompletionBatch, cut_at_stop, holds_stop
 from npuport.runtime.generate import AcceptanceStats, TokenSink, generate
 from npuport.runtime.loader import load_model
 from npuport.runtime.model import Qwen35
 from npuport.runtime.run_options import run_options
 from npuport.runtime.sampling import SamplingParams
-from npuport.runtime.textgen import DTYPES, load_tokenizer, stop_token_ids
+from npuport.runtime.textgen import DTYPES, context_tokens_of, load_tokenizer, stop_token_ids
 from npuport.runtime.token_logprobs import PositionLogprobs, sequence_logprobs
 
 Decode = Callable[[Sequence[int]], str]
@@ -46,17 +45,6 @@ def finish_completion(tokens: Sequence[int], decode: Decode, stop: Sequence[str]
         else:
             low = mid + 1
     return Completion(cut_at_stop(decode(tokens[:low]), stop), low, STOP)
-
-
-def context_tokens_of(path: Path) -> int | None:
-    """The model's context in tokens: `max_position_embeddings` of config.json (its `text_config` first, as
-    ModelConfig reads the sizes); None when it states none."""
-    config = read_json_object(path / "config.json")
-    for section in (config.get("text_config") or {}, config):
-        value = section.get("max_position_embeddings") if isinstance(section, dict) else None
-        if isinstance(value, int) and not isinstance(value, bool) and value > 0:
-            return value
-    return None
 
 
 def only_reads(tokenizer) -> None:

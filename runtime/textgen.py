@@ -15,6 +15,7 @@ from npuport.runtime.generate import generate
 from npuport.runtime.loader import load_model
 from npuport.runtime.run_options import run_options
 from npuport.runtime.sampling import SamplingParams
+from npuport.tokenizer_folder import load_tokenizer
 
 DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32, "float64": torch.float64}
 
@@ -30,23 +31,6 @@ def parse_prompt_ids(text: str) -> list[int]:
     return ids
 
 
-def load_tokenizer(model_dir: Path):
-    """The folder's tokenizer (transformers), or None when it has none. A damaged tokenizer file is one NpuportError
-    naming it (or, where the tokenizers library refuses it, the folder)."""
-    if not any((Path(model_dir) / name).exists() for name in ("tokenizer.json", "tokenizer_config.json")):
-        return None
-    from transformers import AutoTokenizer
-
-    for name in ("tokenizer_config.json", "tokenizer.json"):
-        if (Path(model_dir) / name).exists():  # transformers reads them unchecked: a list, deep nesting: a traceback
-            read_json_object(Path(model_dir) / name)
-    try:
-        return AutoTokenizer.from_pretrained(str(model_dir))
-    except Exception as e:  # the tokenizers library raises a bare Exception for a tokenizer.json it cannot build
-        first_line = (str(e).strip().splitlines() or [""])[0][:200]
-        raise NpuportError(f"{model_dir}: the tokenizer does not load ({type(e).__name__}: {first_line})") from None
-
-
 def stop_token_ids(model_dir: Path) -> list[int]:
     """eos_token_id of generation_config.json, else of config.json (an id or a list of ids)."""
     for name in ("generation_config.json", "config.json"):
@@ -57,6 +41,35 @@ def stop_token_ids(model_dir: Path) -> list[int]:
             if eos is not None:
                 return [eos] if isinstance(eos, int) else list(eos)
     return []
+
+
+def context_tokens_of(path: Path) -> int | None:
+    """The model's context in tokens: `max_position_embeddings` of config.json (its `text_config` first, as
+    ModelConfig reads the sizes); None when it states none."""
+    config = read_json_object(path / "config.json")
+    for section in (config.get("text_config") or {}, config):
+        value = section.get("max_position_embeddings") if isinstance(section, dict) else None
+        if isinstance(value, int) and not isinstance(value, bool) and value > 0:
+            return value
+    return None
+
+
+# The most tokens generate makes for a prompt when the model's config.json states no context: Qwen3.5's own.
+UNSTATED_CONTEXT_TOKENS = 262_144
+
+
+def check_length(model_dir: Path, prompts: Sequence[Sequence[int]], max_new_tokens: int) -> None:
+    """Refuse, before any memory is taken for them, `max_new_tokens` that would carry the longest prompt past the
+    model's context (config.json's max_position_embeddings; UNSTATED_CONTEXT_TOKENS where it states none)."""
+    context = context_tokens_of(model_dir)
+    limit = context or UNSTATED_CONTEXT_TOKENS
+    what = (f"the model's context ({limit:,} tokens, config.json max_position_embeddings)" if context else
+            f"{limit:,} tokens (config.json states no max_position_embeddings; npuport's cap)")
+    longest = max((len(p) for p in prompts), default=0)
+    if longest + max_new_tokens > limit:
+        room = f"at most {limit - longest:,}" if longest < limit else "the prompt alone fills it"
+        raise NpuportError(f"--max-new-tokens {max_new_tokens:,}: the longest prompt ({longest:,} tokens) and the "
+                           f"new tokens would exceed {what}; {room}")
 
 
 def run_generate(model_dir: Path, texts: Sequence[str], id_prompts: Sequence[str], max_new_tokens: int, mtp: int,
@@ -72,6 +85,7 @@ def run_generate(model_dir: Path, texts: Sequence[str], id_prompts: Sequence[str
     if texts and tokenizer is None:
         raise NpuportError(f"{model_dir} has no tokenizer; use --prompt-ids")
     prompts = [tokenizer.encode(t) for t in texts] + [parse_prompt_ids(s) for s in id_prompts]
+    check_length(model_dir, prompts, max_new_tokens)
     model = load_model(model_dir, pick_device(device), DTYPES[dtype])
     options = run_options(model, mtp, invariant=batch_invariant, dispatch=dispatch)
     result = generate(model, prompts, max_new_tokens, options, sampling=sampling, stop_tokens=stop_token_ids(model_dir))
@@ -98,8 +112,9 @@ def run_generate(model_dir: Path, texts: Sequence[str], id_prompts: Sequence[str
 
 
 def format_report(report: dict) -> str:
-    """The report for a person: each prompt's continuation, then the acceptance statistics."""
-    lines = []
+    """The report for a person: where it ran and in which dtype, each prompt's continuation, then the acceptance
+    statistics."""
+    lines = [f"{report['model']} on {report['device']} in {report['dtype']}"]
     for i, r in enumerate(report["requests"]):
         shown = r["text"] if r["text"] is not None else ",".join(map(str, r["token_ids"]))
         lines.append(f"[{i}] ({len(r['token_ids'])} tokens, {r['finish_reason']}) {shown}")

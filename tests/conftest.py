@@ -45,6 +45,19 @@ def tiny_artifacts(tiny_checkpoints: dict[str, Path], tmp_path_factory: pytest.T
             for kind, src in tiny_checkpoints.items()}
 
 
+@pytest.fixture(scope="session")
+def qwen36_artifacts(tiny_checkpoints: dict[str, Path], tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
+    """kind -> the W8A8 artifact of a dense tiny source under the shipped Qwen3.6-27B recipe (qwen3_6_27b_w8a8,
+    msModelSlim's: attention, MLP, visual blocks and the GatedDeltaNet in_proj_qkv / in_proj_z quantized)."""
+    from npuport.convert.converter import convert_qwen35
+    from npuport.convert.recipe import recipe_path_for
+
+    root = tmp_path_factory.mktemp("qwen36-artifacts")
+    recipe = recipe_path_for("qwen3_6_27b_w8a8")
+    return {kind: convert_qwen35(tiny_checkpoints[kind], root / kind, recipe_path=recipe, show_progress=False,
+                                 log=lambda _: None).out for kind in ("dense-multimodal", "dense-text")}
+
+
 @pytest.fixture(scope="module")
 def one_cpu_thread():
     """One intra-op thread for a module: tiny models on a shared 2-core CPU run many times faster than with a

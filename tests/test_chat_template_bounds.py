@@ -16,10 +16,10 @@ import pytest
 from click.testing import CliRunner
 from transformers import AutoTokenizer
 
+from npuport.chat_prompt import CHAT_TEMPLATE_TIMEOUT_S, render_chat_prompt
 from npuport.cli import main
 from npuport.errors import NpuportError
 from npuport.fixtures.tiny_tokenizer import write_tokenizer
-from npuport.runtime.chat_prompt import CHAT_TEMPLATE_TIMEOUT_S, render_chat_prompt
 from npuport.runtime.validation.gsm8k import AISBENCH_INSTRUCTION, AISBenchProtocol, GSM8KRecord
 
 RECORDS = [GSM8KRecord("Q0?", "Work 0.\n#### 18")]

@@ -34,12 +34,25 @@ def test_demo_end_to_end(tmp_path, monkeypatch):
     assert report["fidelity"]["num_prompts"] == DEMO_QUESTIONS
     # the trained model's drafts are accepted; random weights would give a mean length of 1.0
     assert report["mtp"]["mean_acceptance_length"] > DEMO_MIN_ACCEPTANCE
-    assert [g["passed"] for g in report["gates"]] == [True, True]  # accuracy drop and acceptance
+    gates = [g["name"].split(" ")[0] for g in report["gates"] if g["passed"]]
+    assert gates == ["min-accuracy", "max-accuracy-drop", "min-acceptance"], report["gates"]  # all three passed
     # the questions are the held-out arithmetic problems, which the trained model solves in BF16 and W8A8 alike
     assert report["settings"]["data"] == str(arithmetic_path())
     row = report["gsm8k"][0]
     assert row["candidate"]["accuracy"] >= MIN_DEMO_ACCURACY and row["reference"]["accuracy"] >= MIN_DEMO_ACCURACY
     assert verify_release(workdir / "release") == []
+    # the card names the arithmetic set, never GSM8K, and every speed figure in it is marked as measured on a CPU
+    card = (workdir / "release" / "README.md").read_text(encoding="utf-8")
+    name = report["settings"]["questions_name"]
+    assert name.startswith("arithmetic") and f"| {name} accuracy % (" in card
+    rows = [line.split(" | ")[0].lstrip("| ") for line in card.split("## Measured results", 1)[1].split("\n## ")[0]
+            .splitlines() if line.startswith("| ")]
+    assert not any(row.startswith("GSM8K") for row in rows), rows  # "arithmetic (GSM8K format) ...", never "GSM8K ..."
+    speed = [row for row in rows if "tok/s" in row or " ms" in row]
+    assert speed and all(row.endswith("on CPU") for row in speed), rows
+    assert "Speed figures marked 'on CPU' were measured on a CPU" in card and " timing noise" in card
+    assert card.split("---\n", 2)[2].lstrip("\n").startswith(f"# {demo.DEMO_BASE_MODEL}trained, ")
+    assert "npuport validate --gsm8k artifact-w8a8 " in card and "--data arithmetic" in card
     # random weights never stop early: a few questions and tokens show their acceptance as well as 32 x 64 would
     monkeypatch.setattr(demo, "DEMO_QUESTIONS", 4)
     monkeypatch.setattr(demo, "DEMO_NEW_TOKENS", 16)

@@ -77,7 +77,8 @@ def test_two_servers_give_the_fidelity_the_built_in_runtime_gives_within_the_est
         validated = CliRunner().invoke(main, [
             "validate", "--gsm8k", str(artifact), "--protocol", "sglang", "--num-questions", str(QUESTIONS),
             "--max-new-tokens", str(NEW_TOKENS), "--endpoint", candidate_url, "--endpoint-model", "w8a8",
-            "--reference-endpoint", ref_url, "--retries", "0", "--out", str(tmp_path / "http")])
+            "--reference-endpoint", ref_url, "--retries", "0", "--min-accuracy", "off",
+            "--out", str(tmp_path / "http")])
     assert validated.exit_code == 0, validated.output
     report = json.loads((tmp_path / "http" / "report.json").read_text())
     fields = ("greedy_token_agreement", "top1_agreement", "num_prompts", "num_tokens", "kl_method")
@@ -105,7 +106,7 @@ def test_two_servers_give_the_fidelity_the_built_in_runtime_gives_within_the_est
     built_in = CliRunner().invoke(main, [
         "validate", "--gsm8k", str(artifact), "--reference", str(source), "--protocol", "sglang", "--num-questions",
         str(QUESTIONS), "--max-new-tokens", str(NEW_TOKENS), "--dtype", "float32", "--device", "cpu",
-        "--no-throughput", "--out", str(tmp_path / "built-in")])
+        "--no-throughput", "--min-accuracy", "off", "--out", str(tmp_path / "built-in")])
     assert built_in.exit_code == 0, built_in.output
     stated = json.loads((tmp_path / "built-in" / "report.json").read_text())["fidelity"]
     assert set(stated["topk_kl_estimates"]) == {"5", "20"} and stated["kl_method"] == "full vocabulary"

@@ -355,7 +355,8 @@ def test_validate_without_max_new_tokens_takes_the_protocols_default(tmp_path):
     report's settings; the sglang protocol keeps 512."""
     result = CliRunner().invoke(main, ["validate", "--gsm8k", str(trained_tiny_path()), "--protocol", "lm-eval",
                                        "--num-questions", "1", "--batch-size", "1", "--dtype", "float32",
-                                       "--device", "cpu", "--no-throughput", "--out", str(tmp_path)])
+                                       "--device", "cpu", "--no-throughput", "--min-accuracy", "off",
+                                       "--out", str(tmp_path)])
     assert result.exit_code == 0, result.output
     settings = json.loads((tmp_path / "report.json").read_text())["settings"]
     assert settings["max_new_tokens"] == _lm_eval_default_max_gen_toks()

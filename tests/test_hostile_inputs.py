@@ -34,7 +34,7 @@ DEEP = "[" * 100_000  # Python's json recurses once per level: RecursionError lo
 BIG_INT = '{"a": ' + "7" * 5000 + "}"  # Python refuses to read an integer of more than 4300 digits
 HOSTILE_JSON = {"nested 100000 deep": DEEP, "a 5000-digit integer": BIG_INT}
 NOT_UTF8 = b"\xff\xfe not text\n"
-SHARD = "quant_model_weights.safetensors"
+SHARD = "quant_model_weights-00001-of-00001.safetensors"
 INDEX = "quant_model_weights.safetensors.index.json"
 DESCRIPTION = "quant_model_description.json"
 MANIFEST = "npuport_manifest.json"
@@ -339,3 +339,103 @@ def test_verify_release_names_card_front_matter_nested_too_deep(copy) -> None:
     card = (release / "README.md").read_text(encoding="utf-8")
     (release / "README.md").write_text("---\nlicense: " + DEEP + "\n" + card.split("\n", 1)[1], encoding="utf-8")
     fail_lines(invoke("verify-release", release), "README.md", "front matter")
+
+
+# ---------------------------------------------------------------------------------------------------------
+# A key twice in one JSON object: refused naming the file and the key (Python's parser keeps the last value)
+
+
+def key_twice(path: Path, key: str, first: object) -> None:
+    """Rewrite the JSON object in `path` with `key` written twice at its top: `first`, then its own value."""
+    data = json.loads(path.read_text(encoding="utf-8"))
+    data.setdefault(key, first)
+    path.write_text("{" + json.dumps(key) + ": " + json.dumps(first) + ", " + json.dumps(data)[1:], encoding="utf-8")
+
+
+@pytest.mark.parametrize("command", ["convert-qwen35", "check"])
+def test_a_config_key_given_twice_is_refused(copy, tmp_path: Path, command: str) -> None:
+    """tie_word_embeddings true, then false: the last value was taken without a word."""
+    folder = copy("source" if command == "convert-qwen35" else "artifact")
+    key_twice(folder / "config.json", "tie_word_embeddings", True)
+    if command == "check":
+        fail_lines(invoke("check", folder), "config.json", "'tie_word_embeddings' appears twice")
+    else:
+        error_line(invoke(command, folder, tmp_path / "out"), "config.json", "'tie_word_embeddings' appears twice")
+        assert not (tmp_path / "out").exists()
+
+
+@pytest.mark.parametrize(("name", "key"), [("tokenizer_config.json", "eos_token"),
+                                           ("generation_config.json", "eos_token_id"),
+                                           ("special_tokens_map.json", "eos_token")])
+def test_a_tokenizer_or_generation_config_key_given_twice_is_refused_by_check_and_generate(copy, name: str,
+                                                                                           key: str) -> None:
+    artifact = copy("artifact")
+    if not (artifact / name).exists():
+        (artifact / name).write_text("{}", encoding="utf-8")
+    key_twice(artifact / name, key, 0 if key.endswith("_id") else "<|im_end|>")
+    fail_lines(invoke("check", artifact), name, f"'{key}' appears twice")
+    error_line(invoke("generate", artifact, "--prompt", "hi", "--max-new-tokens", "1"), name,
+               f"'{key}' appears twice")
+
+
+# ---------------------------------------------------------------------------------------------------------
+# `check` reads the tokenizer as generate and serve do
+
+
+def test_check_fails_a_tokenizer_config_that_generate_refuses(copy) -> None:
+    """Nested past npuport's bounds inside a field: check passed it, generate then refused it."""
+    artifact = copy("artifact")
+    edit_json(artifact / "tokenizer_config.json", lambda c: c.update(extra=json.loads("[" * 70 + "]" * 70)))
+    generated = error_line(invoke("generate", artifact, "--prompt", "hi", "--max-new-tokens", "1"),
+                           "tokenizer_config.json")
+    checked = fail_lines(invoke("check", artifact), "tokenizer_config.json")[0]
+    assert generated.split("tokenizer_config.json", 1)[1] in checked
+
+
+def test_check_fails_a_chat_template_that_serve_would_fail(copy) -> None:
+    artifact = copy("artifact")
+    (artifact / "chat_template.jinja").write_text("{{ raise_exception('planted') }}", encoding="utf-8")
+    fail_lines(invoke("check", artifact), "chat_template.jinja", "planted")
+
+
+# ---------------------------------------------------------------------------------------------------------
+# --data records: bytes that are not UTF-8, a field twice, a field of the wrong type
+
+
+@pytest.mark.parametrize(("line", "needles"), [
+    (b'{"question": "Q?", "question": "R?", "answer": "#### 1"}', ["'question' appears twice"]),
+    (b'{"question": {"text": "Q?"}, "answer": "#### 1"}', ["question must be a string, is an object"]),
+    (b'{"question": "Q?", "answer": 7}', ["answer must be a string, is a number"]),
+    (b'["Q?", "#### 1"]', ["not a GSM8K record", "is a list"]),
+    (b'{"question": "Q\xff?", "answer": "#### 1"}', ["not UTF-8 text", "0xff"]),
+], ids=["question twice", "question an object", "answer a number", "a list", "not UTF-8"])
+def test_validate_names_the_line_and_field_of_a_bad_data_record(made, tmp_path: Path, line: bytes,
+                                                                 needles: list[str]) -> None:
+    data = tmp_path / "test.jsonl"
+    data.write_bytes(json.dumps({"question": "Q?", "answer": "#### 1"}).encode() + b"\n" + line + b"\n")
+    error_line(invoke("validate", made["artifact"], "--data", data, "--out", tmp_path / "report", "--no-throughput"),
+               f"{data}:2:", *needles)
+
+
+# ---------------------------------------------------------------------------------------------------------
+# A control character in a file name; --max-new-tokens past the context
+
+
+def test_package_refuses_a_file_name_with_a_newline(copy, tmp_path: Path) -> None:
+    artifact = copy("artifact")
+    (artifact / "notes\nv2.txt").write_text("x", encoding="utf-8")
+    fail_lines(invoke("check", artifact), "'notes\\nv2.txt'", "control character")
+    error_line(invoke("package", artifact, "--out", tmp_path / "out"), "'notes\\nv2.txt'", "control character")
+    error_line(invoke("package", artifact, "--out", tmp_path / "out", "--force"), "'notes\\nv2.txt'", "rename it")
+    assert not (tmp_path / "out").exists()
+
+
+def test_generate_refuses_max_new_tokens_past_the_context_before_loading(made, monkeypatch) -> None:
+    import npuport.runtime.textgen as textgen
+
+    def no_load(*args, **kwargs):
+        raise AssertionError("the model was loaded")
+
+    monkeypatch.setattr(textgen, "load_model", no_load)
+    error_line(invoke("generate", made["artifact"], "--prompt", "hi", "--max-new-tokens", 10**9),
+               "--max-new-tokens 1,000,000,000", "context (262,144 tokens")

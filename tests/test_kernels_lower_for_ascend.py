@@ -43,7 +43,11 @@ VENV = ROOT / ".bench" / "ascend-venv"
 # triton-ascend import it), pybind11 (triton-ascend's backend imports it).
 ASCEND_PACKAGES = {"triton-ascend": "3.2.0", "torch": "2.13.0", "pybind11": "3.1.0"}
 # The published models' widths, and the tiny test models' (tiles below the real ones, K not a multiple of the tiles).
-MODELS = (*REAL_MODELS, "tiny")
+# One name per distinct set of widths (Qwen3.6 and 3.8 27B repeat Qwen3.5-27B's, Qwen3.6-35B-A3B Qwen3.5-35B-A3B's).
+MODELS = (*{REAL_MODELS[name]: name for name in reversed(REAL_MODELS)}.values(), "tiny")
+# A routed-expert stack larger than this (Qwen3.8-2.4T-A95B's is 34 GB) is one expert's weights repeated along a
+# zero stride: the launches and their compile see the same shapes, and no memory of that size is asked for.
+STACK_BYTES = 1 << 31
 MTP_DRAFTS = 3  # a verify step checks the drafts and one more token
 KV_CAPACITY = 4096
 
@@ -84,7 +88,9 @@ def linear_shapes(s: Sizes) -> list[tuple[int, int]]:
     h = s.hidden_size
     shapes = [(2 * s.num_attention_heads * s.head_dim + 2 * s.num_key_value_heads * s.head_dim, h),
               (h, s.num_attention_heads * s.head_dim), (conv_dim + value_width + 2 * s.linear_num_value_heads, h),
-              (h, value_width), (h, 2 * h)]  # attention qkv, o_proj; GDN in_proj, out_proj; MTP fc
+              (conv_dim + value_width, h), (2 * s.linear_num_value_heads, h),
+              (h, value_width), (h, 2 * h)]  # attention qkv, o_proj; GDN in_proj (whole, or as the qkv+z and b+a
+    # pairs of an artifact whose recipe quantized in_proj_qkv / in_proj_z, msModelSlim's Qwen3.6), out_proj; MTP fc
     if s.num_experts:
         return [*shapes, (2 * s.shared_expert_intermediate_size, h), (h, s.shared_expert_intermediate_size)]
     return [*shapes, (2 * s.intermediate_size, h), (h, s.intermediate_size)]
@@ -171,12 +177,15 @@ def linears(s: Sizes, dtype: torch.dtype, rows: int, quantized: bool) -> None:
 def stacked_experts(s: Sizes, dtype: torch.dtype, quantized: bool, shared_quantized: bool):
     from npuport.kernels.fused_moe import StackedExperts
 
+    def experts(e: int, rows: int, cols: int, dtype: torch.dtype) -> torch.Tensor:
+        one = empty(1, rows, cols, dtype=dtype)
+        return one.expand(e, rows, cols) if e * one.nbytes > STACK_BYTES else empty(e, rows, cols, dtype=dtype)
+
     def stacked(e: int, width: int, int8: bool) -> StackedExperts:
         if not int8:
-            return StackedExperts(empty(e, 2 * width, s.hidden_size, dtype=dtype),
-                                  empty(e, s.hidden_size, width, dtype=dtype))
-        return StackedExperts(empty(e, 2 * width, s.hidden_size, dtype=torch.int8),
-                              empty(e, s.hidden_size, width, dtype=torch.int8),
+            return StackedExperts(experts(e, 2 * width, s.hidden_size, dtype), experts(e, s.hidden_size, width, dtype))
+        return StackedExperts(experts(e, 2 * width, s.hidden_size, torch.int8),
+                              experts(e, s.hidden_size, width, torch.int8),
                               empty(e, 2 * width, dtype=torch.float32), empty(e, s.hidden_size, dtype=torch.float32))
 
     return (stacked(s.num_experts, s.moe_intermediate_size, quantized),

@@ -14,7 +14,7 @@ ROOT = Path(__file__).resolve().parents[1]
 FOLDERS = {"npuport": "npuport", "convert": "npuport.convert", "runtime": "npuport.runtime",
            "kernels": "npuport.kernels"}
 SHARED = {"npuport", "npuport.errors", "npuport.devices", "npuport.jsonfile", "npuport.checksums", "npuport.benchlog",
-          "npuport.paths", "npuport.output_folder",
+          "npuport.paths", "npuport.output_folder", "npuport.chat_prompt", "npuport.tokenizer_folder",
           "npuport.data"}
 FRONT = ("npuport.cli", "npuport.demo")
 

@@ -28,17 +28,29 @@ from npuport.runtime.loader import load_model
 pytestmark = pytest.mark.usefixtures("one_cpu_thread")
 
 VOCAB = 248320
-# What QWEN35.md "Real sizes" states of each model, and the (total, active) parameters its name gives.
+# What QWEN35.md "Real sizes" and the model cards state of each model, and the (total, active) parameters its name
+# gives.
+QWEN_27B = dict(hidden_size=5120, num_hidden_layers=64, num_attention_heads=24, num_key_value_heads=4,
+                linear_num_key_heads=16, linear_num_value_heads=48, intermediate_size=17408)
+QWEN_35B_A3B = dict(hidden_size=2048, num_hidden_layers=40, num_attention_heads=16, num_key_value_heads=2,
+                    linear_num_key_heads=16, linear_num_value_heads=32, num_experts=256, num_experts_per_tok=8,
+                    moe_intermediate_size=512, shared_expert_intermediate_size=512)
 PUBLISHED = {
-    "27B": dict(hidden_size=5120, num_hidden_layers=64, num_attention_heads=24, num_key_value_heads=4,
-                linear_num_key_heads=16, linear_num_value_heads=48, intermediate_size=17408),
-    "35B-A3B": dict(hidden_size=2048, num_hidden_layers=40, num_experts=256, num_experts_per_tok=8,
-                    moe_intermediate_size=512, shared_expert_intermediate_size=512),
+    "27B": QWEN_27B,
+    "35B-A3B": QWEN_35B_A3B,
     "122B-A10B": dict(num_hidden_layers=48, num_experts=256, num_experts_per_tok=8),
     "397B-A17B": dict(hidden_size=4096, num_hidden_layers=60, num_experts=512, num_experts_per_tok=10),
+    "Qwen3.6-27B": QWEN_27B,
+    "Qwen3.6-35B-A3B": QWEN_35B_A3B,
+    "Qwen3.8-27B": QWEN_27B,
+    "Qwen3.8-2.4T-A95B": dict(hidden_size=8192, num_hidden_layers=92, num_attention_heads=64, num_key_value_heads=4,
+                              linear_num_key_heads=16, linear_num_value_heads=128, num_experts=512,
+                              num_experts_per_tok=10, moe_intermediate_size=2048,
+                              shared_expert_intermediate_size=2048),
 }
 NAMED_PARAMETERS = {"27B": (27e9, 27e9), "35B-A3B": (35e9, 3e9), "122B-A10B": (122e9, 10e9),
-                    "397B-A17B": (397e9, 17e9)}
+                    "397B-A17B": (397e9, 17e9), "Qwen3.6-27B": (27e9, 27e9), "Qwen3.6-35B-A3B": (35e9, 3e9),
+                    "Qwen3.8-27B": (27e9, 27e9), "Qwen3.8-2.4T-A95B": (2.4e12, 95e9)}
 SHRINK = 16  # widths of the written checkpoints: hidden 128-320, head_dim 16, K = V = 8, vocabulary 15520
 
 
@@ -49,9 +61,11 @@ def transformers_config(spec: tc.TinySpec):
 
 
 def meta_state_dict(spec: tc.TinySpec) -> dict[str, tuple[int, ...]]:
-    """name -> shape of every tensor of transformers' multimodal model of `spec`'s config, built without memory."""
+    """name -> shape of every tensor of transformers' model of `spec`'s config (multimodal, or the causal LM of a
+    text layout), built without memory."""
+    auto = AutoModelForImageTextToText if spec.layout == "multimodal" else AutoModelForCausalLM
     with torch.device("meta"):
-        model = AutoModelForImageTextToText.from_config(transformers_config(spec))
+        model = auto.from_config(transformers_config(spec))
     return {name: tuple(t.shape) for name, t in model.state_dict().items()}
 
 
@@ -65,8 +79,9 @@ def test_transformers_accepts_each_preset_with_the_published_sizes(model):
     spec = like_spec(model, layers=REAL_MODELS[model].num_hidden_layers)
     cfg = transformers_config(spec)
     moe = "num_experts" in PUBLISHED[model]
-    assert type(cfg).__name__ == ("Qwen3_5MoeConfig" if moe else "Qwen3_5Config")
-    text = cfg.text_config
+    text_only = REAL_MODELS[model].text_only
+    assert type(cfg).__name__ == ("Qwen3_5Moe" if moe else "Qwen3_5") + ("TextConfig" if text_only else "Config")
+    text = cfg if text_only else cfg.text_config
     for key, value in PUBLISHED[model].items():
         assert getattr(text, key) == value, key
     assert (text.vocab_size, text.head_dim, text.linear_key_head_dim, text.linear_value_head_dim) == (VOCAB, 256, 128,
@@ -100,7 +115,7 @@ def test_planned_tensors_are_those_of_transformers_model(model):
     want = meta_state_dict(spec)
     planned = dict(tensor_shapes(spec, VOCAB))
     assert {n: s for n, s in planned.items() if not n.startswith("mtp.")} == want
-    layer3 = "model.language_model.layers.3."
+    layer3 = "model.layers.3." if spec.layout == "text" else "model.language_model.layers.3."
     mtp_layer = {n.removeprefix("mtp.layers.0."): s for n, s in planned.items() if n.startswith("mtp.layers.0.")}
     assert mtp_layer == {n.removeprefix(layer3): s for n, s in want.items() if n.startswith(layer3)}
     hidden = REAL_MODELS[model].hidden_size
@@ -119,7 +134,8 @@ def test_shards_hold_at_most_4_gb_unless_one_tensor_is_larger(model):
     for shard in shards:
         nbytes = sum(2 * math.prod(s) for _, s in shard)
         assert nbytes <= 4e9 or len(shard) == 1, (len(shard), nbytes)
-    embed = dict(tensor_shapes(spec, VOCAB))["model.language_model.embed_tokens.weight"]
+    prefix = "model." if spec.layout == "text" else "model.language_model."
+    embed = dict(tensor_shapes(spec, VOCAB))[prefix + "embed_tokens.weight"]
     assert embed == (VOCAB, REAL_MODELS[model].hidden_size)
 
 

@@ -27,6 +27,7 @@ import torch.multiprocessing as mp
 
 import npuport.runtime.expert_parallel
 import npuport.runtime.model
+from npuport.convert.recipe import recipe_path_for
 from npuport.devices import distributed_backend
 from npuport.fixtures.tiny_checkpoint import PRESETS, TinySpec, make_tiny
 from npuport.kernels.implementations import standing_in_for_npu
@@ -64,7 +65,9 @@ def npu_models(tmp_path_factory) -> dict[str, str]:
         dense = make_tiny(root / "dense", TinySpec(arch="dense", layout="text", size=PRESET))
         moe = make_tiny(root / "moe", TinySpec(arch="moe", layout="text", mtp_experts="per-expert", size=PRESET))
     artifact = convert_qwen35(moe, root / "moe-w8a8", show_progress=False, log=lambda _: None).out
-    return {"dense": str(dense), "moe-w8a8": str(artifact)}
+    qwen36 = convert_qwen35(dense, root / "dense-w8a8-qwen36", recipe_path=recipe_path_for("qwen3_6_27b_w8a8"),
+                            show_progress=False, log=lambda _: None).out
+    return {"dense": str(dense), "moe-w8a8": str(artifact), "dense-w8a8-qwen36": str(qwen36)}
 
 
 @contextlib.contextmanager
@@ -89,9 +92,9 @@ def stepped_logits(model, follow: list[list[int]]) -> tuple[torch.Tensor, torch.
     return prefill_logits, torch.cat(steps, dim=1)
 
 
-def assert_npu_path_equals_reference(model, reached: set[str]) -> None:
+def assert_npu_path_equals_reference(model, reached: set[str]) -> list:
     """Greedy tokens (MTP k = 0..3 on the NPU path against plain greedy on the reference path) and teacher-forced
-    logits of both paths; the NPU path must have reached every operator in `reached`."""
+    logits of both paths; the NPU path must have reached every operator in `reached`. Returns the operator calls."""
     greedy = generate(model, PROMPTS, NEW_TOKENS, prefill_chunk=PREFILL_CHUNK).tokens
     want_prefill, want_steps = stepped_logits(model, [g[:DECODE_STEPS] for g in greedy])
     with standing_in_for_npu(), recording_calls() as calls:
@@ -103,6 +106,7 @@ def assert_npu_path_equals_reference(model, reached: set[str]) -> None:
     real = torch.arange(want_prefill.shape[1])[None, :] < torch.tensor([len(p) for p in PROMPTS])[:, None]
     for got, want in ((got_prefill[real], want_prefill[real]), (got_steps, want_steps)):
         torch.testing.assert_close(got, want, rtol=tol, atol=tol * want.abs().max().item())
+    return calls
 
 
 @pytest.mark.parametrize(("kind", "dtype", "reached"), [("dense", torch.float32, REACHED),
@@ -111,6 +115,18 @@ def test_the_npu_path_gives_the_reference_paths_tokens_and_logits(npu_models, ki
     model = load_model(npu_models[kind], "cpu", dtype)
     with npu_wiring():
         assert_npu_path_equals_reference(model, reached)
+
+
+def test_quantized_gdn_input_projections_take_the_npu_quant_matmul(npu_models):
+    """msModelSlim's Qwen3.6 recipe quantizes in_proj_qkv and in_proj_z: on the NPU path their one stacked int8
+    GEMM goes through npu_quant_matmul (its output width theirs together), with the reference path's tokens."""
+    model = load_model(npu_models["dense-w8a8-qwen36"], "cpu", torch.float64)
+    gdn = next(layer.linear_attn for layer in model.layers if hasattr(layer, "linear_attn"))
+    width = gdn.in_proj_qkv.out_features + gdn.in_proj_z.out_features
+    with npu_wiring():
+        calls = assert_npu_path_equals_reference(model, REACHED | {"npu_dynamic_quant", "npu_quant_matmul"})
+    widths = {call.args[1].shape[-1] for call in calls if call.name == "npu_quant_matmul"}
+    assert width in widths, (width, widths)
 
 
 def free_port() -> int:

@@ -240,7 +240,7 @@ def test_a_set_aside_artifact_is_restored_or_removed_by_the_next_run(src: Path, 
     # What a kill between the renames of --force leaves: OUT set aside, nothing in its place, the new one partial.
     out.rename(tmp_path / ".out.npuport-old")
     (tmp_path / ".out.npuport-partial").mkdir()
-    (tmp_path / ".out.npuport-partial" / "quant_model_weights.safetensors").write_bytes(bytes(1000))
+    (tmp_path / ".out.npuport-partial" / "quant_model_weights-00001-of-00001.safetensors").write_bytes(bytes(1000))
     logs: list[str] = []
     with pytest.raises(NpuportError, match="already exists; pass --force to replace it"):
         convert(src, out, log=logs.append)
@@ -369,7 +369,8 @@ def test_disk_full_in_package_is_one_line_naming_the_file(artifact: Path, tmp_pa
     with file_size_limit(100_000):
         result = cli("package", str(artifact), "--out", str(rel), "--archive")
     error = the_error(result)
-    assert error == f"error: {rel}/quant_model_weights.safetensors: File too large; {rel} was not written"
+    shard = "quant_model_weights-00001-of-00001.safetensors"
+    assert error == f"error: {rel}/{shard}: File too large; {rel} was not written"
     assert "BufferError" not in result.output and list(tmp_path.iterdir()) == []
 
 
@@ -377,5 +378,6 @@ def test_disk_full_in_convert_is_one_line_naming_the_file(src: Path, tmp_path: P
     out = tmp_path / "out"
     with file_size_limit(100_000):
         result = cli("convert-qwen35", "--a8w8", str(src), str(out), "--quiet")
-    assert the_error(result) == f"error: {out}/quant_model_weights.safetensors: File too large; {out} was not written"
+    shard = "quant_model_weights-00001-of-00001.safetensors"
+    assert the_error(result) == f"error: {out}/{shard}: File too large; {out} was not written"
     assert leftovers(tmp_path) == [] and not out.exists()

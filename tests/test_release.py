@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import os
 import shutil
 import subprocess
 import tarfile
@@ -45,11 +46,11 @@ REFERENCE = ["answer: 18", "answer: 3", "answer: 70", "answer: 6", "answer: 12"]
 EXPECTED_ROWS = [
     "| GSM8K accuracy % (accuracy) | aisbench, 0-shot | 5 | 60.00 | 80.00 | -20.00 |",
     "| GSM8K invalid % | aisbench, 0-shot | 5 | 20.00 | 0.00 | – |",
-    "| GSM8K output tok/s | aisbench, 0-shot | 5 | 50.0 | – | – |",
+    "| GSM8K output tok/s on CPU | aisbench, 0-shot | 5 | 50.0 | – | – |",
     "| mean KL divergence | vs BF16, 8 prompts | – | 0.0123 | – | – |",
     "| lowest per-layer output cosine | vs BF16, 8 prompts | – | 0.99870 | – | – |",
-    "| decode tok/s | no MTP, MTP off, batch 1 | – | 20.0 | – | – |",
-    "| decode tok/s | MTP k=3, MTP on, batch 1 | – | 45.0 | – | – |",
+    "| decode tok/s on CPU | no MTP, MTP off, batch 1 | – | 20.0 | – | – |",
+    "| decode tok/s on CPU | MTP k=3, MTP on, batch 1 | – | 45.0 | – | – |",
     "| MTP mean acceptance length | k=3, 120 rounds | – | 2.50 | – | – |",
     "| MTP acceptance rate, draft position 2 | k=3, 120 rounds | – | 0.460 | – | – |",
 ]
@@ -59,12 +60,20 @@ def silent(_: str) -> None:
     pass
 
 
-def make_report(out: Path, gate_passed: bool = True, mtp_k: int | None = 3) -> Path:
+# What validate records: the question set's name and its command line (paths as given on the machine that ran it)
+VALIDATE_COMMAND = ("npuport validate --gsm8k /models/Qwen3.5-tiny-w8a8 --protocol aisbench --num-questions 5 "
+                    "--max-new-tokens 64 --reference /models/Qwen3.5-tiny --data /sets/gsm8k/test.jsonl "
+                    "--out /runs/report")
+
+
+def make_report(out: Path, gate_passed: bool = True, mtp_k: int | None = 3, questions: str = "GSM8K",
+                device: str = "cpu (test)") -> Path:
     protocol = AISBenchProtocol(RECORDS)
     candidate = protocol.score(CANDIDATE, latency_s=4.0, completion_tokens=200)
     reference = protocol.score(REFERENCE)
     report = ValidationReport(
-        artifact=f"{SOURCE_NAME}-w8a8", device="cpu (test)", seed=7,
+        artifact=f"{SOURCE_NAME}-w8a8", device=device, seed=7,
+        settings={"questions_name": questions, "command": VALIDATE_COMMAND},
         accuracy=[AccuracyRow.paired(candidate, reference, seed=7, resamples=200)],
         fidelity=Fidelity(greedy_token_agreement=0.97, top1_agreement=0.985, mean_kl=0.0123,
                           layer_cosine=[0.9991, 0.9987, 0.9995], num_prompts=8, num_tokens=512),
@@ -217,8 +226,13 @@ def test_card_explains_the_ignore_list_by_reason_and_how_it_was_made(release: Pa
     quantized = sum(1 for k, v in description.items() if v == "W8A8_DYNAMIC" and k.endswith(".weight"))
     assert f"{quantized} linear layers are W8A8_DYNAMIC" in card
     assert "`mtp.fc`" in card
-    assert f"npuport convert-qwen35 --a8w8 --recipe {SOURCE_NAME}_best_practice.yaml {SOURCE_NAME} " in card
-    assert f"npuport package {SOURCE_NAME}-w8a8 --out {SOURCE_NAME}-W8A8 --report report/report.json" in card
+    commands = card.split("## How it was made", 1)[1].split("```bash\n", 1)[1].split("\n```", 1)[0].splitlines()
+    assert commands == [  # every folder by its name, as if all were run in one folder; the recipe is the release's
+        f"npuport convert-qwen35 --a8w8 --recipe {SOURCE_NAME}-W8A8/{SOURCE_NAME}_best_practice.yaml {SOURCE_NAME} "
+        f"{SOURCE_NAME}-w8a8",
+        f"npuport validate --gsm8k {SOURCE_NAME}-w8a8 --protocol aisbench --num-questions 5 --max-new-tokens 64 "
+        f"--reference {SOURCE_NAME} --data test.jsonl --out report",
+        f"npuport package {SOURCE_NAME}-w8a8 --out {SOURCE_NAME}-W8A8 --report report/report.json"]
     assert f"packaged with npuport {npuport.__version__}" in card
     assert "[LICENSE](LICENSE)" in card
 
@@ -228,12 +242,12 @@ def test_card_explains_the_ignore_list_by_reason_and_how_it_was_made(release: Pa
 
 
 def test_changed_shard_byte_fails_verify(damaged: Path) -> None:
-    shard = damaged / "quant_model_weights.safetensors"
+    shard = damaged / "quant_model_weights-00001-of-00001.safetensors"
     data = bytearray(shard.read_bytes())
     data[-10] ^= 0x01  # inside the last tensor's data: headers and shapes stay valid
     shard.write_bytes(bytes(data))
     assert verify_release(damaged) == [
-        "quant_model_weights.safetensors: SHA-256 differs from SHA256SUMS (changed after packaging)"]
+        "quant_model_weights-00001-of-00001.safetensors: SHA-256 differs from SHA256SUMS (changed after packaging)"]
 
 
 def test_deleted_description_entry_fails_verify(damaged: Path) -> None:
@@ -345,6 +359,60 @@ def test_failure_midway_leaves_no_partial_release_or_archive(inputs: dict[str, P
     assert list(tmp_path.iterdir()) == []
 
 
+def test_shards_truncated_after_the_check_are_refused_and_nothing_is_left(inputs: dict[str, Path], tmp_path: Path,
+                                                                         monkeypatch: pytest.MonkeyPatch) -> None:
+    """The audit's case: the shards are cut to 100 bytes after package checked the artifact and before it copies
+    them (here: as the first copy starts). The copy's digest is not the checked one: refused, one line naming the
+    shard, exit status 1, no release folder and nothing partial left."""
+    import npuport.release.package as release_module
+
+    art = Path(shutil.copytree(inputs["artifact"], tmp_path / "art"))
+    shards = sorted(art.glob("*.safetensors"))
+    original = {p: hashlib.sha256(p.read_bytes()).hexdigest() for p in shards}
+    real_copy = release_module.copy_with_sha256
+
+    def truncate_then_copy(src: Path, dst: Path) -> str:
+        for shard in shards:
+            if shard.stat().st_size > 100:
+                os.truncate(shard, 100)
+        return real_copy(src, dst)
+
+    monkeypatch.setattr(release_module, "copy_with_sha256", truncate_then_copy)
+    (work := tmp_path / "work").mkdir()
+    done = CliRunner().invoke(main, ["package", str(art), "--out", str(work / "rel"), "--archive"])
+    assert done.exit_code == 1 and "Traceback" not in done.output, done.output
+    errors = [line for line in done.output.splitlines() if line.startswith("error:")]
+    assert len(errors) == 1, done.output
+    shard = shards[0]
+    assert errors[0].startswith(f"error: {shard}: changed after it was checked (sha256 {original[shard][:12]}... when "
+                                f"checked, {hashlib.sha256(shard.read_bytes()).hexdigest()[:12]}... as copied, 100 "
+                                "bytes)"), errors[0]
+    assert errors[0].endswith(f"{work / 'rel'} was not written: package it again once nothing writes to it")
+    assert list(work.iterdir()) == []
+
+
+def test_a_file_changed_after_the_check_keeps_the_previous_release(inputs: dict[str, Path], tmp_path: Path,
+                                                                    monkeypatch: pytest.MonkeyPatch) -> None:
+    """The same with --force over an earlier release: the earlier one stays as it was, byte for byte."""
+    import npuport.release.package as release_module
+
+    art = Path(shutil.copytree(inputs["artifact"], tmp_path / "art"))
+    rel = package_release(art, tmp_path / "rel", log=silent)
+    before = {p.relative_to(rel): p.read_bytes() for p in rel.rglob("*") if p.is_file()}
+    real_copy = release_module.copy_with_sha256
+
+    def edit_then_copy(src: Path, dst: Path) -> str:
+        if src.name == "config.json":
+            src.write_text(src.read_text(encoding="utf-8") + " ", encoding="utf-8")
+        return real_copy(src, dst)
+
+    monkeypatch.setattr(release_module, "copy_with_sha256", edit_then_copy)
+    with pytest.raises(ReleaseError, match=rf"^{art / 'config.json'}: changed after it was checked .* is unchanged"):
+        package_release(art, rel, force=True, log=silent)
+    assert {p.relative_to(rel): p.read_bytes() for p in rel.rglob("*") if p.is_file()} == before
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["art", "rel"]
+
+
 def test_existing_release_folder_is_not_overwritten(inputs: dict[str, Path], tmp_path: Path) -> None:
     (tmp_path / "rel").mkdir()
     (tmp_path / "rel" / "keep.txt").write_text("mine", encoding="utf-8")
@@ -424,6 +492,42 @@ def test_copy_with_sha256_copies_and_hashes_every_byte(tmp_path: Path, size: int
     assert (tmp_path / "dst").read_bytes() == data
 
 
+def test_copy_with_sha256_reads_without_a_memory_map(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    import mmap
+
+    def no_mmap(*args, **kwargs):
+        raise AssertionError("copy_with_sha256 memory-mapped its source")
+
+    monkeypatch.setattr(mmap, "mmap", no_mmap)
+    data = os.urandom(3 * 4096 + 17)
+    (tmp_path / "src").write_bytes(data)
+    assert copy_with_sha256(tmp_path / "src", tmp_path / "dst", chunk=4096, depth=2) == hashlib.sha256(data).hexdigest()
+    assert (tmp_path / "dst").read_bytes() == data
+
+
+def test_a_source_truncated_while_it_is_copied_ends_the_copy_short(tmp_path: Path,
+                                                                  monkeypatch: pytest.MonkeyPatch) -> None:
+    """Truncated by someone else after its first chunk was written: no fault (a memory map gave "Bad address" or
+    SIGBUS), and the digest returned is that of the bytes written, which differs from the source's as checked."""
+    import npuport.checksums as checksums
+
+    data = os.urandom(8 * 4096)
+    src = tmp_path / "src"
+    src.write_bytes(data)
+    real_write = checksums.write_fully
+
+    def write_then_truncate(out, piece) -> None:
+        real_write(out, piece)
+        if src.stat().st_size > 100:
+            os.truncate(src, 100)
+
+    monkeypatch.setattr(checksums, "write_fully", write_then_truncate)
+    digest = copy_with_sha256(src, tmp_path / "dst", chunk=4096, depth=1)
+    written = (tmp_path / "dst").read_bytes()
+    assert digest == hashlib.sha256(written).hexdigest() != hashlib.sha256(data).hexdigest()
+    assert data.startswith(written) and len(written) < len(data)
+
+
 def test_copy_with_sha256_reports_a_failed_write_without_hanging(tmp_path: Path,
                                                                  monkeypatch: pytest.MonkeyPatch) -> None:
     import npuport.checksums as checksums
@@ -435,3 +539,130 @@ def test_copy_with_sha256_reports_a_failed_write_without_hanging(tmp_path: Path,
     monkeypatch.setattr(checksums, "write_fully", full_disk)
     with pytest.raises(OSError, match="No space left"):
         copy_with_sha256(tmp_path / "src", tmp_path / "dst", chunk=4096, depth=1)
+
+
+# ---------------------------------------------------------------------------------------------------------
+# The card says what ran: the question set, CPU speed figures, the title; verify-release checks the labels
+
+
+def test_card_names_the_question_set_the_report_names(inputs: dict[str, Path], tmp_path: Path) -> None:
+    report = make_report(tmp_path / "report", questions="arithmetic (GSM8K format)")
+    name = json.loads(report.read_text(encoding="utf-8"))["settings"]["questions_name"]
+    card = card_of(package_release(inputs["artifact"], tmp_path / "rel", report, log=silent))
+    table = card.split("## Measured results", 1)[1].split("\n## ", 1)[0]
+    assert f"Questions: {name}." in table
+    assert f"| {name} accuracy % (accuracy) | aisbench, 0-shot | 5 | 60.00 | 80.00 | -20.00 |" in table
+    assert f"| {name} invalid % |" in table and f"| {name} output tok/s on CPU |" in table
+    assert "GSM8K accuracy" not in card and "GSM8K invalid" not in card and "GSM8K output" not in card
+    md = (report.parent / "report.md").read_text(encoding="utf-8")
+    assert f"## {name} accuracy" in md and f"### {name} generation" in md and "GSM8K generation" not in md
+    assert verify_release(tmp_path / "rel") == []
+
+
+def test_card_title_names_the_model(release: Path) -> None:
+    _, body = front_matter_and_body(card_of(release))
+    assert body.lstrip("\n").splitlines()[0] == f"# {SOURCE_NAME}, W8A8_DYNAMIC for Ascend NPUs"
+
+
+def _speed_report(tmp_path: Path, device: str) -> Path:
+    """A report whose two runs were timed three times each, with the spreads chosen so that the MTP run's decode
+    is beyond noise of the plain run's, and its prefill within."""
+    report = ValidationReport(
+        artifact="a", device=device, seed=0, settings={"questions_name": "GSM8K"},
+        throughput=[ThroughputRun("W8A8", mtp=False, batch_size=2, prefill_tokens_per_s=100.0,
+                                  decode_tokens_per_s=20.0, model="W8A8", repeats=3,
+                                  ranges={"prefill_tokens_per_s": [90.0, 110.0], "decode_tokens_per_s": [19.0, 21.0]}),
+                    ThroughputRun("W8A8 + MTP k=2", mtp=True, batch_size=2, prefill_tokens_per_s=105.0,
+                                  decode_tokens_per_s=30.0, model="W8A8", repeats=3, num_speculative_tokens=2,
+                                  ranges={"prefill_tokens_per_s": [95.0, 112.0], "decode_tokens_per_s": [29.0, 31.0]})])
+    return write_report(report, tmp_path / f"report-{device.split()[0]}").json
+
+
+def test_cpu_speed_figures_are_marked_with_their_noise_verdict(inputs: dict[str, Path], tmp_path: Path) -> None:
+    report = _speed_report(tmp_path, "cpu (x86_64, 2 threads)")
+    differences = json.loads(report.read_text(encoding="utf-8"))["throughput_differences"]
+    verdicts = {d["figure"]: d["within_noise"] for d in differences}
+    assert verdicts == {"prefill_tokens_per_s": True, "decode_tokens_per_s": False}  # the report's own verdicts
+    card = card_of(package_release(inputs["artifact"], tmp_path / "rel", report, log=silent))
+    table = [line for line in card.splitlines() if line.startswith("| ") and "tok/s" in line]
+    assert table and all(line.split(" | ")[0].endswith("tok/s on CPU") for line in table), table
+    assert "Speed figures marked 'on CPU' were measured on a CPU (cpu (x86_64, 2 threads))" in card
+    assert "- prefill tok/s on CPU, W8A8 + MTP k=2 against W8A8: +5.0, within timing noise" in card
+    assert "- decode tok/s on CPU, W8A8 + MTP k=2 against W8A8: +10.0, beyond timing noise" in card
+    assert verify_release(tmp_path / "rel") == []
+
+    accelerator = card_of(package_release(inputs["artifact"], tmp_path / "rel-gpu",
+                                          _speed_report(tmp_path, "cuda (NVIDIA H200)"), log=silent))
+    assert "on CPU" not in accelerator and "| decode tok/s | W8A8, MTP off, batch 2 |" in accelerator
+
+
+def _rewrite_card(folder: Path, old: str, new: str) -> None:
+    """Change the card and rewrite SHA256SUMS to match, so that only the card's own checks can tell."""
+    card = card_of(folder)
+    assert card.count(old) == 1
+    (folder / "README.md").write_text(card.replace(old, new), encoding="utf-8")
+    sums = folder / "SHA256SUMS"
+    lines = [line if not line.endswith("  README.md") else
+             f"{hashlib.sha256((folder / 'README.md').read_bytes()).hexdigest()}  README.md"
+             for line in sums.read_text(encoding="utf-8").splitlines()]
+    sums.write_text("\n".join(lines) + "\n", encoding="utf-8")
+
+
+def test_a_changed_card_row_label_fails_verify(damaged: Path) -> None:
+    _rewrite_card(damaged, "| GSM8K invalid % |", "| arithmetic invalid % |")
+    assert verify_release(damaged) == [
+        "README.md: results table lacks 'GSM8K invalid %' (aisbench, 0-shot) from report.json",
+        "README.md: results row 'arithmetic invalid %' (aisbench, 0-shot) is not in report.json"]
+
+
+def test_an_unmarked_cpu_speed_label_fails_verify(damaged: Path) -> None:
+    _rewrite_card(damaged, "| decode tok/s on CPU | no MTP,", "| decode tok/s | no MTP,")
+    problems = verify_release(damaged)
+    assert "README.md: results row 'decode tok/s' (no MTP, MTP off, batch 1) is not in report.json" in problems
+    assert "README.md: results table lacks 'decode tok/s on CPU' (no MTP, MTP off, batch 1) from report.json" \
+        in problems
+
+
+def test_a_card_without_the_cpu_note_fails_verify(damaged: Path) -> None:
+    card = card_of(damaged)
+    note = next(line for line in card.splitlines() if line.startswith("Speed figures marked 'on CPU'"))
+    _rewrite_card(damaged, note, "")
+    assert verify_release(damaged) == [
+        "README.md: report.json's speed figures were measured on a CPU, but the card carries no 'Speed figures "
+        "marked 'on CPU' ...' note saying so"]
+
+
+def test_a_release_without_a_report_is_warned_of_by_package_and_verify_release(inputs: dict[str, Path],
+                                                                              tmp_path: Path) -> None:
+    runner = CliRunner()
+    packaged = runner.invoke(main, ["package", str(inputs["artifact"]), "--out", str(tmp_path / "rel")])
+    assert packaged.exit_code == 0, packaged.output
+    assert f"warning: no --report: {tmp_path / 'rel'} will carry no measurement" in packaged.output
+    verified = runner.invoke(main, ["verify-release", str(tmp_path / "rel")])
+    assert verified.exit_code == 0, verified.output
+    assert f"warning: {tmp_path / 'rel'} carries no measurement: no validation/report.json" in verified.output
+    measured = runner.invoke(main, ["verify-release", str(package_release(inputs["artifact"], tmp_path / "rel2",
+                                                                           inputs["report"], log=silent))])
+    assert measured.exit_code == 0 and "warning" not in measured.output, measured.output
+    card = card_of(tmp_path / "rel")
+    assert "# not validated: no report was packaged" in card
+
+
+def test_a_report_below_chance_is_refused_and_forced_it_says_so_at_the_top(inputs: dict[str, Path],
+                                                                          tmp_path: Path) -> None:
+    from npuport.runtime.validation.gates import CHANCE, min_accuracy_gate
+
+    protocol = AISBenchProtocol(RECORDS)
+    wrong = protocol.score(["answer: 0"] * len(RECORDS))
+    gate = min_accuracy_gate(wrong, CHANCE)
+    report = write_report(ValidationReport(artifact="a", device="cuda (test)", seed=0, accuracy=[AccuracyRow(wrong)],
+                                           settings={"questions_name": "GSM8K"}, gates=[gate]), tmp_path / "r").json
+    with pytest.raises(ReleaseError, match=r"gate failed: min-accuracy above chance \(20\.00 %\)"):
+        package_release(inputs["artifact"], tmp_path / "rel", report, log=silent)
+    assert not (tmp_path / "rel").exists()
+    _, body = front_matter_and_body(card_of(package_release(inputs["artifact"], tmp_path / "rel", report,
+                                                            force=True, log=silent)))
+    head = body.lstrip("\n").splitlines()
+    assert head[0].startswith("> **WARNING: packaged with --force.**") and "min-accuracy above chance" in head[2]
+    assert "Gates: **1 of 1 gate(s) FAILED**" in body
+    assert verify_release(tmp_path / "rel") == [f"validation/report.json: gate failed: {gate.name} ({gate.detail})"]

@@ -24,7 +24,7 @@ from npuport.release.package import ReleaseError, package_release
 from npuport.release.verify import verify_release
 from tests.test_release import SOURCE_NAME, make_report, silent
 
-SHARD = "quant_model_weights.safetensors"
+SHARD = "quant_model_weights-00001-of-00001.safetensors"
 INDEX = "quant_model_weights.safetensors.index.json"
 SECRET = b"SECRET-BYTES-0123456789"  # the start of every file planted outside a folder: never printed
 

@@ -20,10 +20,12 @@ PROMPTS = [[11, 12, 13, 14, 15, 16, 17], [400, 401, 402], list(range(900, 921))]
 MAX_NEW = 64
 
 
-@pytest.fixture(scope="module", params=["dense-multimodal", "moe-text-per-expert"])
-def greedy_case(request, tiny_checkpoints):
-    """A float64 model and each prompt's plain greedy continuation, long enough for any draft to look up."""
-    model = load_model(tiny_checkpoints[request.param], "cpu", torch.float64)
+@pytest.fixture(scope="module", params=["dense-multimodal", "moe-text-per-expert", "qwen3.6-recipe-dense-text"])
+def greedy_case(request, tiny_checkpoints, qwen36_artifacts):
+    """A float64 model and each prompt's plain greedy continuation, long enough for any draft to look up. The
+    third: a W8A8 artifact of the Qwen3.6-27B recipe (GatedDeltaNet input projections int8 too)."""
+    folder = qwen36_artifacts["dense-text"] if request.param.startswith("qwen3.6") else tiny_checkpoints[request.param]
+    model = load_model(folder, "cpu", torch.float64)
     plain = generate(model, PROMPTS, MAX_NEW + 6)
     return model, [p + t for p, t in zip(PROMPTS, plain.tokens, strict=True)]
 

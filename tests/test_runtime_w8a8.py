@@ -25,7 +25,7 @@ from npuport.runtime.state import commit_accepted
 pytestmark = pytest.mark.usefixtures("one_cpu_thread")
 
 KINDS = ["dense-multimodal", "dense-text", "moe-multimodal-fused", "moe-text-per-expert"]
-SHARD = "quant_model_weights.safetensors"
+SHARD = "quant_model_weights-00001-of-00001.safetensors"
 DESCRIPTION = "quant_model_description.json"
 INDEX = "quant_model_weights.safetensors.index.json"
 # Stated tolerance of W8A8 against the BF16 source (both computed in float32): relative L2 error of all
@@ -94,15 +94,21 @@ def fake_quantize_per_token(module, args):
 
 
 @torch.no_grad()
+@pytest.mark.parametrize("recipe", ["default", "qwen3_6_27b_w8a8"])
 @pytest.mark.parametrize("kind", ["dense-multimodal", "dense-text"])
-def test_w8a8_layers_equal_transformers_with_dequantized_weights(tiny_checkpoints, tiny_artifacts, kind):
+def test_w8a8_layers_equal_transformers_with_dequantized_weights(tiny_checkpoints, tiny_artifacts, qwen36_artifacts,
+                                                                 kind, recipe):
     """Teacher-forced per layer, prefill then decode steps: transformers with every W8A8-labelled linear
     given weight_int8 * weight_scale and an input rounded per token to int8 levels, against the runtime's
-    int8 x int8 -> int32 matmul. (Dense only: transformers' MoE experts are one fused module; the MoE
-    artifacts' int8 experts are covered by the label and logits tests and by the kernel tests.)"""
-    artifact = tiny_artifacts[kind]
+    int8 x int8 -> int32 matmul. Under the Qwen3.6 recipe the GatedDeltaNet in_proj_qkv / in_proj_z are int8
+    too (and in_proj_b / in_proj_a not: the runtime then stacks the projections in two pairs). (Dense only:
+    transformers' MoE experts are one fused module; the MoE artifacts' int8 experts are covered by the label and
+    logits tests and by the kernel tests.)"""
+    artifact = (tiny_artifacts if recipe == "default" else qwen36_artifacts)[kind]
     reference = AutoModelForCausalLM.from_pretrained(tiny_checkpoints[kind], dtype=torch.float32).eval()
     model = load_model(artifact, "cpu", torch.float32)
+    gdn_int8 = [name for name, m in model.named_modules() if isinstance(m, W8A8Linear) and ".linear_attn." in name]
+    assert bool(gdn_int8) == (recipe != "default")
     ck = checkpoint_names(artifact)
     with safe_open(artifact / SHARD, framework="pt") as f:
         for name, module in model.named_modules():

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import json
 import warnings
+from pathlib import Path
 
 import pytest
 import torch
@@ -20,13 +21,17 @@ from npuport.cli import main  # noqa: E402
 from npuport.fixtures.tiny_checkpoint import REAL_MODELS, like_spec, text_config  # noqa: E402
 from npuport.kernels import implementations  # noqa: E402
 from npuport.runtime.selftest import kernel_checks as selftest_kernels  # noqa: E402
+from npuport.runtime.selftest import run as selftest_run  # noqa: E402
 from npuport.runtime.selftest.run import (  # noqa: E402
+    INSTALL_TRITON,
     INTERPRETED,
+    NO_TRITON,
     TINY_MODEL,
     CheckResult,
     SelftestResult,
     implementations_record,
     quiet_selftest,
+    summary,
     write_json_atomically,
 )
 from npuport.runtime.selftest.sizes import CONV_WIDTH, MODEL_WIDTHS  # noqa: E402
@@ -93,7 +98,9 @@ def test_tolerances_judge_as_their_descriptions_say():
 def test_selftest_on_cpu_passes_and_writes_its_json(tmp_path):
     code, output, report, fell_back = run_selftest(tmp_path)
     assert code == 0, output
-    assert "selftest: all" in output and "passed on cpu" in output and not fell_back
+    counts = [sum(c["passed"] is state for c in report["checks"]) for state in (True, None)]
+    assert "selftest: passed on cpu" in output and not fell_back
+    assert f" {counts[0]} passed, {counts[1]} skipped, 0 failed of {len(report['checks'])} checks" in output
     assert report["passed"] is True and report["device"] == "cpu" and report["fallen_back"] == {}
     assert report["versions"]["torch"] == torch.__version__
     assert report["versions"]["triton"] and report["versions"]["torch-npu"] is None
@@ -136,7 +143,7 @@ def test_failing_kernels_are_switched_to_their_references_and_the_run_completes(
     assert code == 1
     assert sorted(message.split()[1] for message in fell_back) == ["causal_conv1d", "gdn_gating"]
     summary = next(line for line in output.splitlines() if line.startswith("selftest:"))
-    assert "2 of" in summary and summary.endswith(f"wrote {tmp_path / 'selftest.json'}")
+    assert "2 failed of" in summary and summary.endswith(f"wrote {tmp_path / 'selftest.json'}")
     assert set(summary.split("references: ")[1].split(";")[0].split(", ")) == {"causal_conv1d", "gdn_gating"}
     assert set(report["fallen_back"]) == {"causal_conv1d", "gdn_gating"} and report["passed"] is False
     assert "planted: the compiler refuses this kernel" in report["fallen_back"]["causal_conv1d"]
@@ -220,3 +227,41 @@ def test_selftest_on_a_gpu_passes_and_switches_a_planted_failure(tmp_path, monke
     report = json.loads(out.read_text())
     assert result.exit_code == 1 and set(report["fallen_back"]) == {"gdn_gating"}
     assert all(c["passed"] is not False for c in report["checks"] if c["op"] != "gdn_gating")
+
+
+def test_the_summary_counts_passes_skips_and_fallbacks_and_says_how_to_run_the_skipped():
+    """It ended "all 4 checks passed" after skipping 21 kernel checks for want of triton, and said nothing of them."""
+    no_triton = f"{NO_TRITON}, so its interpreter cannot run the kernel"
+    checks = [CheckResult("rms_norm", INTERPRETED, "27B", "decode", passed=True),
+              CheckResult("gdn_gating", INTERPRETED, "27B", "decode", note=no_triton),
+              CheckResult("kv_write", INTERPRETED, "27B", "decode", note=no_triton),
+              CheckResult("causal_conv1d", INTERPRETED, "27B", "decode", passed=False, error="RuntimeError: x"),
+              CheckResult("causal_conv1d", INTERPRETED, "27B", "prefill", note="not run: switched earlier")]
+    line = summary(SelftestResult("cpu", "a CPU", {}, checks, {}, {"causal_conv1d": "failed"}, 3.0))
+    assert line.startswith("selftest: FAILED on cpu") and "1 passed, 3 skipped, 1 failed of 5 checks" in line
+    assert "switched to their PyTorch references: causal_conv1d" in line
+    assert f"2 skipped as triton is not installed: {INSTALL_TRITON} runs them" in line
+    assert "also skipped: causal_conv1d prefill (switched earlier)" in line
+    clean = summary(SelftestResult("cpu", "a CPU", {}, checks[:1], {}, {}, 1.0))
+    assert clean.startswith("selftest: passed") and "none fell back" in clean and "install" not in clean
+
+
+def test_the_install_hint_names_the_triton_of_the_test_extra():
+    pyproject = (Path(__file__).parents[1] / "pyproject.toml").read_text(encoding="utf-8")
+    assert f'"{INSTALL_TRITON.split(chr(39))[1]}"' in pyproject.split("test = [", 1)[1].split("]", 1)[0]
+
+
+@pytest.mark.parametrize("out", ["", "missing/selftest.json", "/proc/selftest.json", "/proc"])
+def test_an_out_that_cannot_be_written_is_refused_before_the_run(tmp_path, monkeypatch, out):
+    """They ran the whole self-test and then failed, losing the result."""
+
+    def must_not_run(*args, **kwargs):
+        raise AssertionError("the self-test ran")
+
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setattr(selftest_run, "run_selftest", must_not_run)
+    result = CliRunner().invoke(main, ["selftest", "--quick", "--device", "cpu", "--out", out])
+    assert result.exit_code in (1, 2) and "Traceback" not in result.output, result.output
+    assert result.exception is None or isinstance(result.exception, SystemExit), repr(result.exception)
+    errors = [line for line in result.output.splitlines() if line.lower().startswith("error:")]
+    assert len(errors) == 1 and "--out" in errors[0], result.output

@@ -274,6 +274,7 @@ def test_serve_on_every_network_warns_and_takes_its_key_from_the_environment(tin
     try:
         announced = process.stdout.readline()  # printed once the socket is bound, after any warning
         assert " on http://0.0.0.0:" in announced, announced + process.stderr.read()
+        assert "(device cpu, float32, " in announced  # no --dtype: float32 on a CPU, and the line says so
         port = int(announced.split(" on http://0.0.0.0:", 1)[1].split("/", 1)[0])
         url = f"http://127.0.0.1:{port}"
         without = exchange(url, "GET", "/v1/models")

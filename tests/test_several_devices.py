@@ -41,7 +41,7 @@ def test_generate_on_two_devices_gives_the_single_device_output(tiny_checkpoints
 def test_validate_on_two_devices_answers_as_on_one(tiny_artifacts, tmp_path):
     args = ["validate", str(tiny_artifacts["moe-multimodal-fused"]), "--gsm8k", "--num-questions", "2",
             "--max-new-tokens", "12", "--batch-size", "2", "--mtp", "1", "--no-throughput", "--dtype", "float32",
-            "--device", "cpu"]
+            "--device", "cpu", "--min-accuracy", "off"]  # random weights answer at chance: the default floor fails
     run([*args, "--out", str(tmp_path / "one")])
     run([*args, "--devices", "2", "--out", str(tmp_path / "two")])
     one, two = (json.loads((tmp_path / d / "report.json").read_text()) for d in ("one", "two"))

@@ -183,3 +183,31 @@ def test_a_negative_shape_is_refused(tiny_checkpoints, tmp_path):
     shard.write_bytes(struct.pack("<Q", len(text)) + text + raw[8 + n :])
     convert_error(src, tmp_path, shard.name, name, "non-negative integers")
     loader_error(src, name, "non-negative integers")
+
+
+@pytest.mark.parametrize(("key", "value"), [
+    ("attn_output_gate", False),
+    ("output_gate_type", "sigmoid"),
+    ("mamba_ssm_dtype", "bfloat16"),
+    ("mtp_use_dedicated_embeddings", True),
+    ("mlp_only_layers", [1]),
+    ("attn_output_gate", 1),  # not the published true, though equal to it in Python
+])
+def test_an_architecture_variant_npuport_does_not_compute_is_refused_by_name(tiny_checkpoints, tmp_path, key, value):
+    """The published Qwen3.5/3.6/3.8 configs carry these keys with the one value the runtime computes; any other
+    asks for another model, which convert, check and the loader refuse naming the key (not run wrongly)."""
+    src = copy_model(tiny_checkpoints["dense-multimodal"], tmp_path)
+    edit_text_config(src, lambda c: c.update({key: value}))
+    for args in (["convert-qwen35", "--a8w8", str(src), str(tmp_path / "out")], ["check", str(src)]):
+        result = CliRunner().invoke(main, args)
+        assert result.exit_code == 1 and f"text_config.{key} is" in result.output, result.output
+    with pytest.raises(NpuportError, match=f"text_config.{key} is"):
+        load_model(src, "cpu")
+
+
+def test_the_published_values_of_those_keys_are_taken(tiny_checkpoints, tmp_path):
+    src = copy_model(tiny_checkpoints["dense-multimodal"], tmp_path)
+    edit_text_config(src, lambda c: c.update(attn_output_gate=True, output_gate_type="swish", mamba_ssm_dtype="float32",
+                                             mtp_use_dedicated_embeddings=False, mlp_only_layers=[]))
+    result = CliRunner().invoke(main, ["check", str(src)])
+    assert result.exit_code == 0, result.output

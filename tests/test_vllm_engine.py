@@ -135,3 +135,10 @@ def test_spec_decode_counters_sum_over_engines_and_subtract_to_the_requests_betw
     assert between.acceptance_rate == 100 / 160 and between.mean_acceptance_length == 1 + 100 / 80
     assert between.per_position == [64 / 80, 36 / 80]
     assert parse_spec_decode_counters("").acceptance_rate is None  # a server without MTP has no such counters
+
+
+def test_vllm_is_started_on_the_folder_as_written():
+    """The claim is that vLLM serves the shipped multimodal folder as a user would: no flag that serves only its
+    language model."""
+    command = VLLMServe(trained_tiny_path(), "tiny").command(Path("python"), 8000)
+    assert "--language-model-only" not in command and command[command.index("--model") + 1] == str(trained_tiny_path())

@@ -51,9 +51,10 @@ def free_port() -> int:
 
 @dataclass(frozen=True)
 class VLLMServe:
-    """How vLLM serves a checkpoint: BF16, the language model only (our multimodal layout ships no image
-    processor config), no prefix caching (a cached prefix is computed once and reused, which changes which kernels
-    see which tokens), and MTP speculative decoding with `mtp` draft tokens when > 0."""
+    """How vLLM serves a checkpoint: BF16, the folder as written (the multimodal layout with its processor files,
+    as a user serves the shipped folder: no `--language-model-only`), no prefix caching (a cached prefix is
+    computed once and reused, which changes which kernels see which tokens), and MTP speculative decoding with
+    `mtp` draft tokens when > 0."""
 
     model: Path
     served_name: str
@@ -64,7 +65,7 @@ class VLLMServe:
 
     def command(self, python: Path, port: int) -> list[str]:
         command = [str(python), "-m", VLLM_SERVER_MODULE, "--model", str(self.model),
-                   "--served-model-name", self.served_name, "--dtype", "bfloat16", "--language-model-only",
+                   "--served-model-name", self.served_name, "--dtype", "bfloat16",
                    "--no-enable-prefix-caching", "--max-model-len", str(self.max_model_len), "--seed", str(self.seed),
                    "--host", "127.0.0.1", "--port", str(port)]
         if self.mtp:

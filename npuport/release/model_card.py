@@ -4,7 +4,7 @@ and why, the measured results copied from the validation report, serving command
 from __future__ import annotations
 
 import re
-from collections import Counter
+import shlex
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -13,12 +13,19 @@ import yaml
 
 from npuport import __version__
 from npuport.convert.engine_facts import facts_for
-from npuport.convert.qwen35_names import split_param
+from npuport.convert.qwen35_names import layer_kinds, split_param
 from npuport.convert.recipe import W8A8_DYNAMIC
 from npuport.errors import NpuportError
 from npuport.jsonfile import JSONFieldError, JSONFields, read_json_object
 from npuport.release.results_table import HEADING as RESULTS_HEADING
-from npuport.release.results_table import model_labels, render_results_table, result_rows
+from npuport.release.results_table import (
+    model_labels,
+    questions_label,
+    render_results_table,
+    result_rows,
+    speed_notes,
+)
+from npuport.runtime.validation.command_line import renamed_command
 from npuport.runtime.validation.gsm8k import PROTOCOLS
 
 FORCED_MARK = "WARNING: packaged with --force"
@@ -62,6 +69,7 @@ class CardFacts:
     report_files: list[str] = field(default_factory=list)  # relative paths of report.md and the plots
     forced_problems: list[str] = field(default_factory=list)
     artifact_checksum: str | None = None  # the report's artifact_checksum, checked equal to the artifact's
+    report_dir: str = "validation"  # the name of the folder validate wrote the report to (package's --report)
 
 
 def read_manifest(path: Path, error: type[NpuportError] = NpuportError) -> dict[str, Any]:
@@ -89,7 +97,9 @@ def check_report(report: dict[str, Any], path: Path, error: type[NpuportError] =
     labels, the npuport version, the gates' details - else `error` naming the file and the field."""
     try:
         result_rows(report)
+        speed_notes(report)
         fields = JSONFields(report)
+        (fields.object("settings", optional=True) or JSONFields({}, "settings")).text("command", optional=True)
         (fields.object("versions", optional=True) or JSONFields({}, "versions")).text("npuport", optional=True)
         for gate in fields.objects("gates", optional=True):
             gate.text("detail", optional=True)
@@ -114,14 +124,8 @@ def license_id(text: str | None) -> str:
     return "other"
 
 
-def name_pattern(module: str) -> str:
-    """`a.layers.3.mlp.experts.7.up_proj` -> `a.layers.*.mlp.experts.*.up_proj`: one line per kind of layer."""
-    return re.sub(r"(?<=\.)\d+(?=\.|$)", "*", module)
-
-
 def _pattern_list(modules: list[str]) -> str:
-    counts = Counter(name_pattern(m) for m in modules)
-    return ", ".join(f"`{p}` ({n})" if n > 1 else f"`{p}`" for p, n in counts.items())
+    return ", ".join(f"`{p}` ({n})" if n > 1 else f"`{p}`" for p, n in layer_kinds(modules).items())
 
 
 def _front_matter(facts: CardFacts) -> list[str]:
@@ -143,7 +147,8 @@ def _forced_warning(problems: list[str]) -> list[str]:
 
 def _intro(facts: CardFacts) -> list[str]:
     scheme = facts.manifest.get("scheme", W8A8_DYNAMIC)
-    return [f"# {facts.release_name}", "",
+    return [f"# {facts.base_model}, {scheme} for Ascend NPUs", "",
+            f"Release `{facts.release_name}`, packaged by npuport from the artifact `{facts.artifact_name}`.", "",
             f"{scheme} quantization of `{facts.base_model}` for Ascend NPUs, in msModelSlim's ascendV1 format: "
             "int8 weights with one scale per output channel, int8 activations with one scale per token computed "
             "at run time. The multi-token-prediction head (`mtp.*`) stays BF16, so speculative decoding with it "
@@ -156,19 +161,24 @@ def _results(facts: CardFacts) -> list[str]:
     report = facts.report
     if report is None:
         return lines + ["No validation report was packaged with this release: nothing here is measured.", ""]
+    lines += [f"Questions: {markdown_text(questions_label(report))}.", ""]
     lines += render_results_table(report)
     cand, ref = model_labels(report)
     version = (report.get("versions") or {}).get("npuport")
     lines += [f"Measured by npuport {version} on {report.get('device')}, seed {report.get('seed')}; report written "
               f"{facts.report_date}. Accuracy is the share of questions answered correctly, in percent; "
-              f"difference = {cand} - {ref} in points, on the same questions. The protocol column names the GSM8K "
-              "harness whose prompt, stop strings and answer extraction were followed "
+              f"difference = {cand} - {ref} in points, on the same questions. The protocol column names the harness "
+              "whose GSM8K prompt, stop strings and answer extraction were followed "
               f"({', '.join(PROTOCOLS)}) and its shots; intervals, paired tests and per-layer figures are in "
               "[validation/report.md](validation/report.md), every raw figure in `validation/report.json`.", ""]
+    lines += speed_notes(report)
     lines += [_binding(facts), ""]
     gates = report.get("gates") or []
+    failed = sum(not g["passed"] for g in gates)
     if gates:
-        lines += ["Gates:", ""] + [f"- {'pass' if g['passed'] else 'FAIL'}: {markdown_text(g['name'])}"
+        verdict = (f"**{failed} of {len(gates)} gate(s) FAILED**: these figures do not meet the validation's own bar."
+                   if failed else f"All {len(gates)} gate(s) passed.")
+        lines += [f"Gates: {verdict}", ""] + [f"- {'pass' if g['passed'] else 'FAIL'}: {markdown_text(g['name'])}"
                                    + (f" ({markdown_text(g['detail'])})" if g.get("detail") else "")
                                    for g in gates] + [""]
     lines += [f"![{p.rsplit('/', 1)[-1][:-4]}]({p})" for p in facts.report_files if p.endswith(".png")]
@@ -199,8 +209,7 @@ def _quantization(facts: CardFacts) -> list[str]:
     lines = ["## What is quantized", "",
              f"{len(quantized)} linear layers are {W8A8_DYNAMIC} (int8 weight, float32 per-channel scale, zero "
              "offset):", ""]
-    kinds = Counter(map(name_pattern, quantized))
-    lines += [f"- `{p}`" + (f" ({n} layers)" if n > 1 else "") for p, n in kinds.items()]
+    lines += [f"- `{p}`" + (f" ({n} layers)" if n > 1 else "") for p, n in layer_kinds(quantized).items()]
     lines += ["", "## Kept in BF16, and why", "",
               f"{len(ignore)} linear layers are on the ignore-list (`npuport_manifest.json`), grouped by reason:", ""]
     rows = [[markdown_text(reason), str(len(mods)), _pattern_list(mods)] for reason, mods in by_reason.items()]
@@ -257,26 +266,46 @@ def _serving(facts: CardFacts) -> list[str]:
         lines.append("Versions known to load an artifact like this one: " + (
             "; ".join(f"{f.versions}: {markdown_text(f.effect)} ({f.source})" for f in loads)
             if loads else "none recorded in npuport's table of engine facts."))
-        problems = [f"- **Known problem** ({markdown_text(f.versions)}" + (f", with `{f.trigger}`" if f.trigger else "")
+        problems = [f"- **{'Cannot load it' if f.kind == 'cannot_load' else 'Known problem'}** "
+                    f"({markdown_text(f.versions)}" + (f", with `{f.trigger}`" if f.trigger else "")
                     + f"): {markdown_text(f.effect)}. Workaround: {markdown_text(f.workaround)}. Source: {f.source}"
-                    + ("" if f.checked else " (not re-checked)") for f in mine if f.kind == "breaks"]
+                    + ("" if f.checked else " (not re-checked)") for f in mine if f.kind in ("breaks", "cannot_load")]
         lines += [""] + (problems + [""] if problems else [])
     return lines
+
+
+def validate_line(facts: CardFacts) -> str:
+    """The `npuport validate` line the report records, its folders named as the card names them; a comment when
+    there is no report, or it records no command."""
+    if facts.report is None:
+        return "# not validated: no report was packaged"
+    command = ((facts.report.get("settings") or {}).get("command"))
+    if not isinstance(command, str):
+        return "# validate: the report records no command line (validation/report.json, settings)"
+    try:
+        return renamed_command(command, {"artifact": facts.artifact_name, "out": facts.report_dir},
+                               lambda path: Path(path).name)
+    except ValueError:  # not shell words
+        return "# validate: the report's command line does not parse (validation/report.json, settings)"
 
 
 def _provenance(facts: CardFacts) -> list[str]:
     m = facts.manifest
     source = m.get("source") or {}
     recipe = m.get("recipe") or {}
-    convert = (f"npuport {m.get('command', 'convert-qwen35 --a8w8')} --recipe {facts.recipe_file} "
-               f"{source.get('name', 'SOURCE')} {facts.artifact_name}")
+    convert = shlex.join(["npuport", *str(m.get("command", "convert-qwen35 --a8w8")).split(), "--recipe",
+                          f"{facts.release_name}/{facts.recipe_file}", source.get("name", "SOURCE"),
+                          facts.artifact_name])
     lines = ["## How it was made", "",
              f"- source: `{source.get('name')}` ({source.get('model_type')}); the checksums identifying it are in "
              "`npuport_manifest.json` (`source.checksums`)",
              f"- recipe: `{recipe.get('name')}` ({recipe.get('file')}), saved here as `{facts.recipe_file}`"]
     lines += [f"- recipe note: {note}" for note in recipe.get("notes") or []]
     lines += [f"- converted with npuport {m.get('version')}, packaged with npuport {__version__} on "
-              f"{facts.packaged_on}", "", "```bash", convert, facts.package_command, "```", ""]
+              f"{facts.packaged_on}", "",
+              "The commands, run in one folder that holds the source, the artifact, the report folder and this "
+              "release, each by its folder name:", "",
+              "```bash", convert, validate_line(facts), facts.package_command, "```", ""]
     return lines
 
 

@@ -1,15 +1,19 @@
 """`npuport package`: assemble a release folder from a checked artifact and its validation report: the
 artifact's files, the report and its plots under validation/, a model card README.md and SHA256SUMS.
 
-The release is built in a temporary folder beside OUT and renamed into place only when complete. Every file
-is copied and hashed in the same pass (each byte read once; no hard links, so editing the release can never
-change the artifact it came from).
+The release is built in a temporary folder beside OUT and renamed into place only when complete. Every source
+file is hashed when it is checked, before anything is written; then copied and hashed in the same pass (positioned
+reads into buffers, no memory map; no hard links, so editing the release can never change the artifact it came
+from), and each copy's digest must equal its checked one: a file changed or truncated in between refuses the whole
+release, one line naming the file, and nothing is left behind.
 """
 
 from __future__ import annotations
 
 import hashlib
+import os
 import re
+import shlex
 import tarfile
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
@@ -17,7 +21,7 @@ from datetime import datetime, timezone
 from pathlib import Path
 from typing import Any
 
-from npuport.checksums import SUMS_NAME, HashingWriter, copy_with_sha256, format_sums
+from npuport.checksums import SUMS_NAME, HashingWriter, copy_with_sha256, format_sums, listing_checksum, sha256_file
 from npuport.convert.ascend_writer import DESCRIPTION_NAME, INDEX_NAME
 from npuport.convert.check import check_artifact
 from npuport.convert.converter import GB, MANIFEST_NAME
@@ -34,7 +38,6 @@ from npuport.release.model_card import (
     short_checksum,
 )
 from npuport.runtime.validation.report import REPORT_FORMAT
-from npuport.runtime.validation.validate import artifact_checksum
 
 CARD_NAME = "README.md"
 VALIDATION_DIR = "validation"
@@ -207,16 +210,16 @@ def checksum_mismatch(report: str, recorded: str, actual: str, measured: str) ->
             "this model's")
 
 
-def bound_checksum(artifact: Path, report_path: Path, report: dict[str, Any]) -> str | None:
-    """The artifact's checksum (computed as validate computes it) when the report records the same one; None when
-    the report records none. Refuses a report that records another: a card must never state another model's
-    figures, so --force does not override this."""
+def bound_checksum(artifact: Path, report_path: Path, report: dict[str, Any], digests: dict[str, str]) -> str | None:
+    """The artifact's checksum (as validate computes it, from `digests`: the sha256 of each of its files by name)
+    when the report records the same one; None when the report records none. Refuses a report that records another:
+    a card must never state another model's figures, so --force does not override this."""
     recorded = report.get(CHECKSUM_KEY)
     if recorded is None:
         return None
     if not isinstance(recorded, str):
         raise ReleaseError(f"{report_path}: {CHECKSUM_KEY} must be a string, is {type(recorded).__name__}")
-    actual = artifact_checksum(artifact)
+    actual = listing_checksum(digests)
     if recorded != actual:
         raise ReleaseError(checksum_mismatch(str(report_path), recorded, actual, f"the artifact {artifact}"))
     return actual
@@ -247,17 +250,23 @@ def _report_date(path: Path, report: dict[str, Any]) -> str:
     return f"{mtime:%Y-%m-%d} (the date of report.json)"
 
 
-def _shown(path: Path) -> str:
-    """A path as the card shows it: as typed when relative, by its name when absolute (no machine paths)."""
-    return str(path) if not path.is_absolute() else path.name
+def _name(path: Path) -> str:
+    """A folder or file by its own name, as the card's commands name everything (no machine paths)."""
+    return Path(os.path.abspath(path)).name
+
+
+def report_dir_name(report: Path | None) -> str:
+    """The name of the folder holding report.json, as the card's validate and package lines call it."""
+    return "validation" if report is None else _name(Path(os.path.abspath(report)).parent)
 
 
 def package_command(artifact: Path, out: Path, report: Path | None, force: bool, archive: bool) -> str:
-    """The `npuport package` command line equivalent to a package_release call."""
-    parts = ["npuport", "package", _shown(artifact), "--out", _shown(out)]
+    """The `npuport package` command line equivalent to a package_release call, every folder by its name (as the
+    card's other commands name them)."""
+    parts = ["npuport", "package", _name(artifact), "--out", _name(out)]
     if report is not None:
-        parts += ["--report", str(report) if not report.is_absolute() else f"{report.parent.name}/{report.name}"]
-    return " ".join(parts + ["--force"] * force + ["--archive"] * archive)
+        parts += ["--report", f"{report_dir_name(report)}/{_name(report)}"]
+    return shlex.join(parts + ["--force"] * force + ["--archive"] * archive)
 
 
 # ---------------------------------------------------------------------------------------------------------
@@ -271,9 +280,9 @@ def _tar_member(info: tarfile.TarInfo) -> tarfile.TarInfo:
 
 
 def write_archive(folder: Path, name: str, tar_path: Path) -> str:
-    """Write `folder` as `tar_path` (members under `name/`, sorted) and return the tar's SHA-256, hashed
-    while it is written."""
-    with open(tar_path, "xb") as raw:
+    """Write `folder` as `tar_path`, an empty file (OutputFolder.create_partial made it), with members under
+    `name/`, sorted; return the tar's SHA-256, hashed while it is written."""
+    with open(tar_path, "r+b") as raw:
         stream = HashingWriter(raw)
         with tarfile.open(fileobj=stream, mode="w", format=tarfile.PAX_FORMAT) as tar:
             tar.add(folder, arcname=name, recursive=False, filter=_tar_member)
@@ -296,6 +305,8 @@ class _Inputs:
     report: dict[str, Any] | None
     attachments: list[Path]  # report.json, report.md, plots
     artifact_checksum: str | None  # the artifact's, when the report records it (and so is bound to it)
+    sources: dict[str, Path]  # every file the release copies, by its path in the release
+    checked: dict[str, str]  # the sha256 of each of `sources`, taken when it was checked: each copy must match
 
     def problems(self) -> list[str]:
         """Why this should not be released (each overridable by --force, then stated on the card): contract
@@ -323,10 +334,25 @@ def _read_inputs(artifact: Path, report_path: Path | None) -> _Inputs:
         raise ReleaseError(f"{artifact}: {outside[0]}{more}; a release holds its weights in its own folder")
     report = None if report_path is None else load_report(report_path)
     attachments = [] if report_path is None else [report_path, *report_attachments(report_path)]
-    checksum = None if report is None else bound_checksum(artifact, report_path, report)
+    sources = {p.name: p for p in files} | {f"{VALIDATION_DIR}/{p.name}": p for p in attachments}
+    checked = {rel: sha256_file(src) for rel, src in sources.items()}
+    artifact_digests = {p.name: checked[p.name] for p in files}
+    checksum = None if report is None else bound_checksum(artifact, report_path, report, artifact_digests)
     return _Inputs(artifact, read_manifest(artifact / MANIFEST_NAME, ReleaseError),
                    read_json_object(artifact / DESCRIPTION_NAME, ReleaseError),
-                   recipes[0], files, report_path, report, attachments, checksum)
+                   recipes[0], files, report_path, report, attachments, checksum, sources, checked)
+
+
+def copy_checked(src: Path, dst: Path, checked: str, out: Path, state: str) -> str:
+    """Copy `src` to `dst`, hashing what is written (copy_with_sha256), and return the digest; refuse, naming the
+    file, when it differs from `checked`, the digest `src` had when it was checked (it was changed, truncated or
+    replaced since: the release would not hold the files that were checked). `state`: what became of `out`."""
+    digest = copy_with_sha256(src, dst)
+    if digest != checked:
+        raise ReleaseError(f"{src}: changed after it was checked (sha256 {short_checksum(checked)} when checked, "
+                           f"{short_checksum(digest)} as copied, {dst.stat().st_size:,} bytes); {out} {state}: "
+                           "package it again once nothing writes to it")
+    return digest
 
 
 def _card_facts(inputs: _Inputs, out: Path, sizes: dict[str, int], command: str, base_model: str | None,
@@ -342,7 +368,7 @@ def _card_facts(inputs: _Inputs, out: Path, sizes: dict[str, int], command: str,
         package_command=command, packaged_on=f"{datetime.now(timezone.utc):%Y-%m-%d}", files=sizes,
         report=report, report_date=None if report_path is None or report is None else _report_date(report_path, report),
         report_files=[f"{VALIDATION_DIR}/{p.name}" for p in inputs.attachments[1:]], forced_problems=problems,
-        artifact_checksum=inputs.artifact_checksum)
+        artifact_checksum=inputs.artifact_checksum, report_dir=report_dir_name(report_path))
 
 
 def package_release(artifact: str | Path, out: str | Path, report: str | Path | None = None, force: bool = False,
@@ -369,13 +395,17 @@ def package_release(artifact: str | Path, out: str | Path, report: str | Path | 
     for p in problems:
         log(f"warning (--force): {p}")
 
-    sources = {p.name: p for p in inputs.files} | {f"{VALIDATION_DIR}/{p.name}": p for p in inputs.attachments}
+    if inputs.report is None:
+        log(f"warning: no --report: {out} will carry no measurement (its card says so); validate the artifact and "
+            "package it with --report REPORT/report.json")
+    sources = inputs.sources
     total = sum(p.stat().st_size for p in sources.values())
     with folder.building(total * (2 if archive else 1) + 1024 * 1024, "release") as tmp:
-        log(f"copying and hashing {len(sources)} files ({total / GB:.2f} GB)")
+        log(f"copying and hashing {len(sources)} files ({total / GB:.2f} GB), each checked against its checksum")
         if inputs.attachments:
             (tmp / VALIDATION_DIR).mkdir()
-        digests = {rel: copy_with_sha256(src, tmp / rel) for rel, src in sources.items()}
+        state = "is unchanged" if folder.replacing else "was not written"
+        digests = {rel: copy_checked(src, tmp / rel, inputs.checked[rel], out, state) for rel, src in sources.items()}
         command = package_command(artifact, out, report_path, force, archive)
         facts = _card_facts(inputs, out, {rel: (tmp / rel).stat().st_size for rel in digests}, command, base_model,
                             problems)
@@ -385,8 +415,8 @@ def package_release(artifact: str | Path, out: str | Path, report: str | Path | 
         (tmp / SUMS_NAME).write_text(format_sums(digests), encoding="utf-8")
         if archive:
             log(f"writing {tar_path.name}")
-            tar_digest = write_archive(tmp, out.name, folder.partial(tar_path))
-            folder.partial(tar_sum_path).write_text(format_sums({tar_path.name: tar_digest}), encoding="utf-8")
+            tar_digest = write_archive(tmp, out.name, folder.create_partial(tar_path))
+            folder.create_partial(tar_sum_path).write_text(format_sums({tar_path.name: tar_digest}), encoding="utf-8")
         folder.commit()
     log(f"wrote release {out} ({len(digests)} files, {total / GB:.2f} GB)" + (f" and {tar_path.name}" if archive
                                                                                else ""))

@@ -1,5 +1,8 @@
 """The model card's table of measured results, in both directions: rows built from a report.json, rendered
-as Markdown, and parsed back out of a card so that every figure in it can be checked against the report."""
+as Markdown, and parsed back out of a card so that every figure and every label in it can be checked against the
+report. The labels say what ran: the question set by the name the report gives it (never "GSM8K" for other
+questions), and speed figures measured on a CPU marked ON_CPU, with the notes (speed_notes) that say what they
+cannot show and whether timing noise explains their differences."""
 
 from __future__ import annotations
 
@@ -8,11 +11,15 @@ from typing import Any
 
 from npuport.jsonfile import JSONFieldError, JSONFields
 from npuport.runtime.validation.report import FULL_KL, THROUGHPUT_COLUMNS
+from npuport.runtime.validation.report_markdown import CPU_THROUGHPUT_NOTE
 
 HEADING = "## Measured results"
 MISSING = "–"
 FIXED_COLUMNS = ("measure", "protocol", "questions")
 DIFFERENCE_COLUMN = "difference"
+ON_CPU = "on CPU"  # the suffix of a speed figure's label when the report's device is a CPU
+UNNAMED_SET = "questions (set not recorded)"  # a report that does not name its question set
+CPU_SPEED_MARK = f"Speed figures marked '{ON_CPU}'"  # opens the card's note under a CPU report's table
 
 
 @dataclass(frozen=True)
@@ -50,11 +57,30 @@ def model_labels(report: dict[str, Any]) -> tuple[str, str]:
     return "W8A8" if candidate is None else candidate, "BF16" if reference is None else reference
 
 
+def questions_label(report: dict[str, Any]) -> str:
+    """The name of the question set the report's accuracy was measured on (settings.questions_name, as validate
+    records it: "GSM8K", "arithmetic (GSM8K format)"...)."""
+    settings = JSONFields(report).object("settings", optional=True)
+    name = settings.text("questions_name", optional=True) if settings is not None else None
+    return UNNAMED_SET if name is None else name
+
+
+def on_cpu(report: dict[str, Any]) -> bool:
+    """Whether the report's figures were measured on a CPU (its device line, as validate writes it: "cpu (...)")."""
+    device = JSONFields(report).text("device", optional=True)
+    return device is not None and device.lower().startswith("cpu")
+
+
+def _speed(name: str, report: dict[str, Any]) -> str:
+    return f"{name} {ON_CPU}" if on_cpu(report) else name
+
+
 def header(report: dict[str, Any]) -> list[str]:
     return [*FIXED_COLUMNS, *model_labels(report), DIFFERENCE_COLUMN]
 
 
-def _gsm8k_rows(entry: JSONFields) -> list[ResultRow]:
+def _gsm8k_rows(entry: JSONFields, report: dict[str, Any]) -> list[ResultRow]:
+    questions = questions_label(report)
     cand, ref = entry.object("candidate"), entry.object("reference", optional=True)
     seed = cand.integer("seed", optional=True)
     protocol = f"{entry.text('protocol')}, {cand.integer('shots')}-shot" + (f", seed {seed}" if seed is not None
@@ -68,14 +94,15 @@ def _gsm8k_rows(entry: JSONFields) -> list[ResultRow]:
     for i, score in enumerate(scores):
         c = score.number("accuracy") * 100
         r = ref_scores[i].number("accuracy") * 100 if ref else None
-        rows.append(ResultRow(f"GSM8K accuracy % ({score.text('name')})", protocol, n, c, r,
+        rows.append(ResultRow(f"{questions} accuracy % ({score.text('name')})", protocol, n, c, r,
                               None if r is None else c - r))
-    rows.append(ResultRow("GSM8K invalid %", protocol, n, cand.number("invalid_rate") * 100,
+    rows.append(ResultRow(f"{questions} invalid %", protocol, n, cand.number("invalid_rate") * 100,
                           ref.number("invalid_rate") * 100 if ref else None))
     cand_tps = cand.number("output_throughput", optional=True)
     ref_tps = ref.number("output_throughput", optional=True) if ref else None
     if cand_tps is not None or ref_tps is not None:
-        rows.append(ResultRow("GSM8K output tok/s", protocol, n, cand_tps, ref_tps, fmt=".1f"))
+        rows.append(ResultRow(_speed(f"{questions} output tok/s", report), protocol, n, cand_tps, ref_tps,
+                              fmt=".1f"))
     return rows
 
 
@@ -94,11 +121,11 @@ def _fidelity_rows(fidelity: JSONFields, reference: str) -> list[ResultRow]:
     return rows
 
 
-def _throughput_rows(run: JSONFields) -> list[ResultRow]:
+def _throughput_rows(run: JSONFields, report: dict[str, Any]) -> list[ResultRow]:
     protocol = f"{run.text('label')}, MTP {'on' if run.flag('mtp') else 'off'}, batch {run.integer('batch_size')}"
     figures = [(name, run.number(attr, optional=True), digits) for name, attr, digits in THROUGHPUT_COLUMNS]
-    return [ResultRow(name, protocol, None, value, fmt=f".{digits}f") for name, value, digits in figures
-            if value is not None]
+    return [ResultRow(_speed(name, report), protocol, None, value, fmt=f".{digits}f")
+            for name, value, digits in figures if value is not None]
 
 
 def _mtp_rows(mtp: JSONFields) -> list[ResultRow]:
@@ -117,11 +144,11 @@ def result_rows(report: dict[str, Any]) -> list[ResultRow]:
     reference = model_labels(report)[1]
     rows: list[ResultRow] = []
     for entry in fields.objects("gsm8k", optional=True):
-        rows += _gsm8k_rows(entry)
+        rows += _gsm8k_rows(entry, report)
     if report.get("fidelity"):
         rows += _fidelity_rows(fields.object("fidelity"), reference)
     for run in fields.objects("throughput", optional=True):
-        rows += _throughput_rows(run)
+        rows += _throughput_rows(run, report)
     if report.get("mtp"):
         rows += _mtp_rows(fields.object("mtp"))
     seen: dict[tuple[str, str], int] = {}
@@ -141,6 +168,37 @@ def render_results_table(report: dict[str, Any]) -> list[str]:
         cells = [row.measure, row.protocol, _fmt(row.questions)] + [_fmt(v, spec) for v, spec in row.figures()]
         lines.append("| " + " | ".join(cells) + " |")
     return lines + [""]
+
+
+def speed_notes(report: dict[str, Any]) -> list[str]:
+    """Under the table of a report measured on a CPU that has speed figures: what they cannot show, and each
+    difference between runs with the report's verdict on timing noise (lines, ending with a blank one; none
+    otherwise)."""
+    fields = JSONFields(report)
+    if not on_cpu(report) or not any(r.measure.endswith(ON_CPU) for r in result_rows(report)):
+        return []
+    lines = [f"{CPU_SPEED_MARK} were measured on a CPU ({fields.text('device')}), not on an accelerator. "
+             + CPU_THROUGHPUT_NOTE, ""]
+    names = {attr: (name, digits) for name, attr, digits in THROUGHPUT_COLUMNS}
+    verdicts = []
+    for d in fields.objects("throughput_differences", optional=True):
+        figure = d.text("figure")
+        name, digits = names.get(figure, (figure, 1))
+        spread = d.number("spread", optional=True)
+        unbounded = d.flag("spread_unbounded", optional=True) is True
+        difference = d.number("difference")
+        if spread is None and not unbounded:
+            verdict = "spread unknown (timed once): not told from timing noise"
+        else:
+            shown = "unbounded" if spread is None else f"{spread:.{digits}f}"
+            verdict = (f"{'within' if d.flag('within_noise') else 'beyond'} timing noise (spread over the repeats "
+                       f"{shown})")
+        verdicts.append(f"- {name} {ON_CPU}, {d.text('run')} against {d.text('baseline')}: "
+                        f"{difference:+.{digits}f}, {verdict}")
+    if verdicts:
+        lines += ["Differences between these runs, and whether timing noise explains them (validation/report.md, "
+                  "\"Differences and timing noise\"):", ""] + verdicts + [""]
+    return lines
 
 
 def parse_results_table(markdown: str) -> list[list[str]] | None:

@@ -29,7 +29,7 @@ from npuport.release.package import (
     path_rule_problem,
     recipe_files,
 )
-from npuport.release.results_table import compare_results, parse_results_table
+from npuport.release.results_table import CPU_SPEED_MARK, compare_results, parse_results_table, speed_notes
 
 FRONT_MATTER_KEYS = ("license", "base_model", "tags")
 SCOPE = VERIFY_PROVES + " " + VERIFY_CANNOT_PROVE  # what an OK from verify-release means, and what it cannot
@@ -122,6 +122,9 @@ def check_card(folder: Path) -> list[str]:
     except NpuportError as e:
         return problems + [_in_release(e, folder)]
     problems += compare_results(card, report, CARD_NAME)
+    if speed_notes(report) and CPU_SPEED_MARK not in card:
+        problems.append(f"{CARD_NAME}: report.json's speed figures were measured on a CPU, but the card carries no "
+                        f"'{CPU_SPEED_MARK} ...' note saying so")
     failed = failed_gates(report)
     problems += [f"{VALIDATION_DIR}/{REPORT_NAME}: {p}" for p in failed]
     if failed and FORCED_MARK not in card:
@@ -153,6 +156,14 @@ def check_report_binding(folder: Path, digests: dict[str, str]) -> list[str]:
     if not isinstance(recorded, str):
         return [f"{label}: {CHECKSUM_KEY} must be a string, is {type(recorded).__name__}"]
     return [checksum_mismatch(label, recorded, actual, "this release's weights and configs")]
+
+
+def release_warnings(folder: str | Path) -> list[str]:
+    """What a sound release may still lack, one line each (not problems: verify_release passes it): a measurement."""
+    if not (Path(folder) / VALIDATION_DIR / REPORT_NAME).is_file():
+        return [f"{folder} carries no measurement: no {VALIDATION_DIR}/{REPORT_NAME}, so nothing in it says how "
+                "well the model answers; its card says so"]
+    return []
 
 
 def verify_release(folder: str | Path) -> list[str]:

@@ -24,6 +24,7 @@ import torch
 
 from npuport import __version__
 from npuport.devices import NATIVE_PACKAGE, cann_version, is_cpu, pick_device
+from npuport.errors import NpuportError
 from npuport.kernels.implementations import (
     NATIVE,
     batch_invariant_calls,
@@ -43,6 +44,9 @@ MODEL_TOKENS = 32
 QUICK_TIMED_CALLS, QUICK_MODEL_TOKENS = 3, 16
 INTERPRETED = "triton (interpreter)"  # the implementation a CPU run checks
 TINY_MODEL = "tiny model"  # the `op` of the model checks
+NO_TRITON = "not run: triton is not installed"  # how a kernel check skipped for want of triton begins its note
+# What installs the triton a CPU run checks the kernels with: the version the `test` extra names.
+INSTALL_TRITON = "pip install 'triton>=3.2,<4'"
 
 
 @dataclass
@@ -139,7 +143,7 @@ def _checked(spec: CaseSpec, device: torch.device, calls: int) -> CheckResult:
         result.note = f"not run: switched to its reference earlier in this run ({fallen_back()[spec.op]})"
         return result
     if cpu and not triton_importable():
-        result.note = "not run: triton is not installed, so its interpreter cannot run the kernel"
+        result.note = f"{NO_TRITON}, so its interpreter cannot run the kernel ({INSTALL_TRITON})"
         return result
     try:
         case = spec.build()
@@ -241,13 +245,43 @@ def progress_line(index: int, total: int, check: CheckResult) -> str:
 
 
 def summary(result: SelftestResult) -> str:
-    """One line: all passed, or how many failed and which operators now run their references."""
-    ran = sum(c.passed is not None for c in result.checks)
-    if result.passed:
-        return f"selftest: all {ran} checks passed on {result.device} ({result.device_name}) in {result.seconds:.0f} s"
-    switched = ", ".join(result.fallen_back) or "none"
-    return (f"selftest: {len(result.failed)} of {ran} checks failed on {result.device} ({result.device_name}); "
-            f"switched to their PyTorch references: {switched}")
+    """One line: passed or failed, how many checks passed, were skipped and failed, which operators were switched to
+    their references (fell back), and how to get the skipped ones run."""
+    passed = sum(c.passed is True for c in result.checks)
+    failed = sum(c.passed is False for c in result.checks)
+    skipped = [c for c in result.checks if c.passed is None]
+    switched = (f"switched to their PyTorch references: {', '.join(result.fallen_back)}" if result.fallen_back
+                else "none fell back to its PyTorch reference")
+    line = (f"selftest: {'passed' if result.passed else 'FAILED'} on {result.device} ({result.device_name}) in "
+            f"{result.seconds:.0f} s: {passed} passed, {len(skipped)} skipped, {failed} failed of "
+            f"{len(result.checks)} checks; {switched}")
+    others = [c for c in skipped if not (c.note and c.note.startswith(NO_TRITON))]
+    if len(skipped) > len(others):
+        line += f"; {len(skipped) - len(others)} skipped as triton is not installed: {INSTALL_TRITON} runs them"
+    if others:
+        shown = [f"{c.op} {c.step} ({(c.note or 'no reason given').removeprefix('not run: ')})" for c in others[:3]]
+        more = f", {len(others) - 3} more (the JSON says why)" if len(others) > 3 else ""
+        line += f"; also skipped: {', '.join(shown)}{more}"
+    return line
+
+
+def check_out(out: Path) -> None:
+    """Refuse, before any check runs, an --out the result could not be written to: a folder (an empty --out names
+    the current one), in a folder that does not exist or takes no new file."""
+    out = Path(out)
+    if out == Path("."):
+        raise NpuportError("--out is empty or the current folder; give a file name such as selftest.json")
+    if out.is_dir():
+        raise NpuportError(f"--out {out}: a folder; give a file name such as {out / 'selftest.json'}")
+    parent = out.parent
+    if not parent.is_dir():
+        raise NpuportError(f"--out {out}: the folder {parent} does not exist")
+    try:  # the file is written as write_json_atomically writes it: a temporary file beside it, renamed
+        handle, probe = tempfile.mkstemp(dir=parent, prefix=f".{out.name}.", suffix=".tmp")
+    except OSError as e:
+        raise NpuportError(f"--out {out}: the folder {parent} takes no new file ({e.strerror or e})") from None
+    os.close(handle)
+    os.unlink(probe)
 
 
 def write_json_atomically(path: Path, data: dict) -> None:
@@ -268,7 +302,9 @@ def write_json_atomically(path: Path, data: dict) -> None:
 
 
 def selftest_command(device: str | None, out: Path, quick: bool, progress: Callable[[str], None]) -> SelftestResult:
-    """What `npuport selftest` does: run every check with a progress line each, write the JSON to `out`."""
+    """What `npuport selftest` does: check that `out` can be written, run every check with a progress line each,
+    write the JSON to `out`."""
+    check_out(out)
     result = run_selftest(pick_device(device), quick, progress)
     write_json_atomically(out, result.to_json())
     return result

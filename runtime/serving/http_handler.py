@@ -19,7 +19,7 @@ from http import HTTPStatus
 from http.server import BaseHTTPRequestHandler
 from typing import Any, Protocol
 
-from npuport.runtime.chat_prompt import chat_template_source
+from npuport.chat_prompt import chat_template_source
 from npuport.runtime.completion import CANCELLED
 from npuport.runtime.serving.api_answers import models_object, sse
 from npuport.runtime.serving.api_requests import (

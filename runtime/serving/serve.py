@@ -262,7 +262,7 @@ def serve_model(path: Path | str, *, host: str = DEFAULT_HOST, port: int = 0, se
     world = runner.model.parallel.world
     devices = f"{runner.model.device} x {world}" if world > 1 else f"{runner.model.device}"
     rows = "one row per call, batch-invariant" if batch_invariant else f"batches of up to {max_batch_size} rows"
-    announce(f"serving {path} as model {name!r} on {server.url}/v1 (device {devices}, MTP k={mtp}, {rows}); "
+    announce(f"serving {path} as model {name!r} on {server.url}/v1 (device {devices}, {dtype}, MTP k={mtp}, {rows}); "
              "Ctrl-C stops it")
     try:
         server.serve_forever()

@@ -18,8 +18,8 @@ from concurrent import futures
 from dataclasses import dataclass
 from http import HTTPStatus
 
+from npuport.chat_prompt import render_chat_prompt
 from npuport.errors import NpuportError
-from npuport.runtime.chat_prompt import render_chat_prompt
 from npuport.runtime.serving.api_answers import (
     Answer,
     ChunkMaker,

@@ -4,11 +4,12 @@ top-k KL estimates an endpoint's log-probabilities would give on the same positi
 
 from __future__ import annotations
 
-from collections.abc import Sequence
-from dataclasses import dataclass, field
+from collections.abc import Callable, Sequence
+from typing import Any
 
 import torch
 
+from npuport.benchlog import Progress
 from npuport.runtime.generate import forward_logits
 from npuport.runtime.model import Qwen35
 from npuport.runtime.validation.report import Fidelity
@@ -38,33 +39,49 @@ def kl_divergence(reference_logits: torch.Tensor, candidate_logits: torch.Tensor
     return (ref.exp() * (ref - cand)).sum(-1)
 
 
-@dataclass
-class _Totals:
-    """Running sums over every compared position."""
+def sequence_sums(cand_logits: torch.Tensor, ref_logits: torch.Tensor, cand_hidden: Sequence[torch.Tensor],
+                  ref_hidden: Sequence[torch.Tensor]) -> dict[str, Any]:
+    """One sequence's sums over its positions (logits [T, V], hidden states per layer [T, hidden]): positions,
+    same top-1, KL(reference || candidate), each top-k KL estimate and each layer's cosine similarity. What
+    fidelity.jsonl holds per sequence; the measures are their totals over the sequences, in order."""
+    kl = 0.0
+    for s in range(0, cand_logits.shape[0], KL_CHUNK):
+        kl += float(kl_divergence(ref_logits[s:s + KL_CHUNK], cand_logits[s:s + KL_CHUNK]).sum())
+    return {"positions": int(cand_logits.shape[0]),
+            "top1_same": int((cand_logits.argmax(-1) == ref_logits.argmax(-1)).sum()),
+            "kl": kl,
+            "topk_kl": {str(k): float(sum(v)) for k, v in topk_kl_from_logits(ref_logits, cand_logits,
+                                                                               ESTIMATE_KS).items()},
+            "cosine": [float(torch.cosine_similarity(c.float(), r.float(), dim=-1).sum())
+                       for c, r in zip(cand_hidden, ref_hidden, strict=True)]}
 
-    positions: int = 0
-    top1_same: int = 0
-    kl: float = 0.0
-    cosine: list[float] | None = None
-    topk_kl: dict[int, float] = field(default_factory=lambda: dict.fromkeys(ESTIMATE_KS, 0.0))
 
-    def add(self, cand_logits: torch.Tensor, ref_logits: torch.Tensor, cand_hidden: Sequence[torch.Tensor],
-            ref_hidden: Sequence[torch.Tensor]) -> None:
-        """One sequence: logits [T, V], hidden states per layer [T, hidden]."""
-        self.positions += cand_logits.shape[0]
-        self.top1_same += int((cand_logits.argmax(-1) == ref_logits.argmax(-1)).sum())
-        for s in range(0, cand_logits.shape[0], KL_CHUNK):
-            self.kl += float(kl_divergence(ref_logits[s:s + KL_CHUNK], cand_logits[s:s + KL_CHUNK]).sum())
-        for k, estimates in topk_kl_from_logits(ref_logits, cand_logits, ESTIMATE_KS).items():
-            self.topk_kl[k] += sum(estimates)
-        sums = [float(torch.cosine_similarity(c.float(), r.float(), dim=-1).sum())
-                for c, r in zip(cand_hidden, ref_hidden, strict=True)]
-        self.cosine = sums if self.cosine is None else [a + b for a, b in zip(self.cosine, sums, strict=True)]
+def fidelity_of(sums: Sequence[dict[str, Any]], candidate_tokens: Sequence[Sequence[int]],
+                reference_tokens: Sequence[Sequence[int]]) -> Fidelity:
+    """The measures from each sequence's sums (sequence_sums), added in sequence order, and the greedy tokens."""
+    positions = sum(s["positions"] for s in sums)
+    kl, topk, cosine = 0.0, dict.fromkeys(ESTIMATE_KS, 0.0), None
+    for s in sums:
+        kl += s["kl"]
+        for k in ESTIMATE_KS:
+            topk[k] += s["topk_kl"][str(k)]
+        cosine = list(s["cosine"]) if cosine is None else [a + b for a, b in zip(cosine, s["cosine"], strict=True)]
+    return Fidelity(
+        greedy_token_agreement=greedy_token_agreement(candidate_tokens, reference_tokens),
+        top1_agreement=sum(s["top1_same"] for s in sums) / positions,
+        mean_kl=kl / positions,
+        layer_cosine=[c / positions for c in cosine or []],
+        num_prompts=len(sums),
+        num_tokens=positions,
+        topk_kl_estimates={k: v / positions for k, v in topk.items()},
+    )
 
 
 @torch.no_grad()
 def measure_fidelity(candidate: Qwen35, reference: Qwen35, prompts: Sequence[Sequence[int]],
-                     candidate_tokens: Sequence[Sequence[int]], reference_tokens: Sequence[Sequence[int]]) -> Fidelity:
+                     candidate_tokens: Sequence[Sequence[int]], reference_tokens: Sequence[Sequence[int]], *,
+                     done: Sequence[dict[str, Any]] = (), on_sequence: Callable[[dict[str, Any]], None] | None = None,
+                     progress: Progress | None = None) -> Fidelity:
     """Compare the two models on the same prompts (token ids).
 
     - greedy token agreement: of the tokens each model generated greedily from the prompts (candidate_tokens,
@@ -73,22 +90,25 @@ def measure_fidelity(candidate: Qwen35, reference: Qwen35, prompts: Sequence[Seq
       at every position: top-1 agreement (same argmax of the next-token logits), mean KL(reference ||
       candidate) in nats, and per decoder layer the mean cosine similarity of the two models' outputs (the
       last layer's after the final norm, as transformers' output_hidden_states gives it);
-    - at the same positions, the top-k KL estimate (topk_kl.topk_kl_estimate) for each k of ESTIMATE_KS."""
+    - at the same positions, the top-k KL estimate (topk_kl.topk_kl_estimate) for each k of ESTIMATE_KS.
+
+    `done`: the sums (sequence_sums) of the first sequences, from a run that was stopped: not computed again.
+    `on_sequence(sums)` hears of each sequence's sums as they are made (validate appends them to fidelity.jsonl);
+    `progress` of each sequence done."""
     if not len(prompts) == len(candidate_tokens) == len(reference_tokens):
         raise ValueError("one prompt, one candidate and one reference generation per request")
-    totals = _Totals()
-    for prompt, continuation in zip(prompts, reference_tokens, strict=True):
+    sums = list(done[:len(prompts)])
+    if progress is not None:
+        progress.skip(len(sums))
+    for prompt, continuation in list(zip(prompts, reference_tokens, strict=True))[len(sums):]:
         sequence = [list(prompt) + list(continuation)]
         cand_logits, cand_hidden = forward_logits(candidate, sequence)
         ref_logits, ref_hidden = forward_logits(reference, sequence)
         # hidden_states[0] is the input embedding, the same table in both models: not a layer's output
-        totals.add(cand_logits[0], ref_logits[0], [h[0] for h in cand_hidden[1:]], [h[0] for h in ref_hidden[1:]])
-    return Fidelity(
-        greedy_token_agreement=greedy_token_agreement(candidate_tokens, reference_tokens),
-        top1_agreement=totals.top1_same / totals.positions,
-        mean_kl=totals.kl / totals.positions,
-        layer_cosine=[c / totals.positions for c in totals.cosine or []],
-        num_prompts=len(prompts),
-        num_tokens=totals.positions,
-        topk_kl_estimates={k: v / totals.positions for k, v in totals.topk_kl.items()},
-    )
+        sums.append(sequence_sums(cand_logits[0], ref_logits[0], [h[0] for h in cand_hidden[1:]],
+                                  [h[0] for h in ref_hidden[1:]]))
+        if on_sequence is not None:
+            on_sequence(sums[-1])
+        if progress is not None:
+            progress.update(advance=1, tokens=sums[-1]["positions"])
+    return fidelity_of(sums, candidate_tokens, reference_tokens)

@@ -1,13 +1,23 @@
-"""The pass/fail verdicts of a validation run: accuracy no more than N points below the reference, MTP mean
-acceptance length no lower than a floor (VALIDATION.md, "Tolerances in use elsewhere"), and every question
-answered when an endpoint ran them."""
+"""The pass/fail verdicts of a validation run: accuracy above a floor - by default above chance, which needs no
+reference -, accuracy no more than N points below the reference, MTP mean acceptance length no lower than a floor
+(VALIDATION.md, "Tolerances in use elsewhere"), and every question answered when an endpoint ran them."""
 
 from __future__ import annotations
 
+from collections import Counter
+from collections.abc import Sequence
+
+from npuport.runtime.validation.gsm8k_results import GSM8KResult
 from npuport.runtime.validation.labels import BF16, W8A8
 from npuport.runtime.validation.report import AccuracyRow, FailedQuestions, Gate, MTPAcceptance
 
 DEFAULT_MAX_ACCURACY_DROP = 1.0  # points: vllm-ascend nightly's |accuracy - baseline| <= 1 on most GSM8K cases
+# --min-accuracy's default: the accuracy must be above chance, the accuracy of always giving the answer that is
+# most common among the questions' gold answers (what a model that learned only which answer is frequent scores;
+# a free-form number has no other chance level). A model answering at chance - or every question wrong - fails.
+CHANCE = "chance"
+MIN_ACCURACY_RULE = ("above chance: higher than the accuracy of always giving the most common gold answer of the "
+                     "questions run")
 _QUESTIONS_NAMED = 20  # failed questions a gate's detail names before "and N more" (report.json lists them all)
 
 
@@ -48,3 +58,26 @@ def answered_gate(failed: FailedQuestions) -> Gate:
               f"{named}{f' and {more} more' if more > 0 else ''}), scored as wrong; the first error: "
               f"{failed.errors[failed.questions[0]]}")
     return Gate("every question answered", False, detail)
+
+
+def chance_accuracy(golds: Sequence[str]) -> tuple[float, str, int]:
+    """The accuracy of always answering the most common of `golds` (the first of equals, in order), that answer
+    and how many questions have it."""
+    answer, count = Counter(golds).most_common(1)[0]
+    return count / len(golds), answer, count
+
+
+def min_accuracy_gate(result: GSM8KResult, floor: float | str, candidate: str = W8A8) -> Gate:
+    """Fails when the candidate's headline accuracy is not above chance (`floor` CHANCE: chance_accuracy of the
+    questions run), or is below `floor` percent. Needs no reference."""
+    accuracy = result.accuracy * 100
+    measured = (f"{result.protocol}, {result.num_questions} questions: {candidate} {accuracy:.2f} % "
+                f"({sum(result.correct)} right)")
+    if floor == CHANCE:
+        chance, answer, count = chance_accuracy(result.golds)
+        detail = (f"{measured}; chance {chance * 100:.2f} %: always answering {answer}, the most common gold "
+                  f"answer ({count} of {result.num_questions} questions)")
+        return Gate(f"min-accuracy above chance ({chance * 100:.2f} %)", accuracy > chance * 100, detail)
+    if not isinstance(floor, (int, float)) or not 0 <= floor <= 100:
+        raise ValueError(f"min-accuracy must be {CHANCE!r} or a percentage from 0 to 100, not {floor!r}")
+    return Gate(f"min-accuracy {floor:g} %", accuracy >= floor, measured)

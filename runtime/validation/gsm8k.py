@@ -14,9 +14,9 @@ from importlib import resources
 from pathlib import Path
 from typing import Any
 
+from npuport.chat_prompt import ChatTemplate, render_chat_prompt
 from npuport.errors import NpuportError
-from npuport.jsonfile import parse_json
-from npuport.runtime.chat_prompt import ChatTemplate, render_chat_prompt
+from npuport.jsonfile import JSONFields, json_kind, parse_json
 from npuport.runtime.completion import cut_at_stop
 from npuport.runtime.validation.gsm8k_results import GSM8KResult, Score
 
@@ -81,22 +81,41 @@ def load_records(path: str | Path | None = None, split: str = "test") -> list[GS
     if not file.is_file():
         raise NpuportError(f"{file}: no such GSM8K file")
     records = []
-    with open(file, encoding="utf-8") as f:
-        for number, line in enumerate(f, start=1):
-            if not line.strip():
-                continue
-            try:
-                row = parse_json(line)
-                record = GSM8KRecord(str(row["question"]), str(row["answer"]))
-                gold_answer(record.answer)  # fail now, while the line number is at hand
-            except (json.JSONDecodeError, TypeError, KeyError) as e:
-                raise NpuportError(f"{file}:{number}: not a GSM8K record ({type(e).__name__}: {e})") from e
-            except ValueError as e:
-                raise NpuportError(f"{file}:{number}: {e}") from e
-            records.append(record)
+    try:
+        with open(file, "rb") as f:  # decoded line by line, so that bytes that are not UTF-8 are named by line
+            for number, raw in enumerate(f, start=1):
+                records += _record(raw, file, number)
+    except OSError as e:
+        raise NpuportError(f"{file}: cannot be read: {e.strerror or e}") from None
     if not records:
         raise NpuportError(f"{file}: no GSM8K records")
     return records
+
+
+def _record(raw: bytes, file: Path, number: int) -> list[GSM8KRecord]:
+    """The record on line `number` of `file` (none for a blank line): a JSON object, each key once, whose
+    "question" and "answer" are strings, the answer ending in `#### <integer>`; else one NpuportError naming the
+    file, the line and the field."""
+    try:
+        line = raw.decode("utf-8")
+    except UnicodeDecodeError as e:
+        raise NpuportError(f"{file}:{number}: not UTF-8 text (byte {e.object[e.start]:#04x} at column "
+                           f"{e.start + 1})") from None
+    if not line.strip():
+        return []
+    try:
+        value = parse_json(line)
+        if not isinstance(value, dict):
+            raise NpuportError(f"{file}:{number}: not a GSM8K record (an object with a question and an answer), "
+                               f"is {json_kind(value)}")
+        row = JSONFields(value)
+        record = GSM8KRecord(row.text("question"), row.text("answer"))
+        gold_answer(record.answer)  # fail now, while the line number is at hand
+    except json.JSONDecodeError as e:
+        raise NpuportError(f"{file}:{number}: not a GSM8K record (JSONDecodeError: {e})") from None
+    except ValueError as e:
+        raise NpuportError(f"{file}:{number}: {e}") from None
+    return [record]
 
 
 def questions_name(data: str | Path | None) -> str:

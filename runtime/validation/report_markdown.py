@@ -1,5 +1,5 @@
-"""report.md: the validation report's tables a person reads - gates, failed questions, GSM8K accuracy and the
-paired comparison, fidelity, throughput, MTP acceptance - then its plots."""
+"""report.md: the validation report's tables a person reads - gates, failed questions, accuracy on the question set
+(named as the report names it) and the paired comparison, fidelity, throughput, MTP acceptance - then its plots."""
 
 from __future__ import annotations
 
@@ -73,7 +73,7 @@ def _accuracy_section(report: ValidationReport) -> list[str]:
     timed = [(label, r) for row in report.accuracy for label, r in ((cand, row.candidate), (ref, row.reference))
              if r is not None and r.latency_s is not None]
     if timed:
-        lines += ["### GSM8K generation", ""]
+        lines += [f"### {questions} generation", ""]
         lines += _table(["protocol", "model", "questions", "latency s", "completion tokens", "output tok/s"],
                         [[r.protocol, label, str(r.num_questions), _fmt(r.latency_s), _fmt(r.completion_tokens),
                           _fmt(r.output_throughput, 1)] for label, r in timed])

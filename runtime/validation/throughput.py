@@ -5,13 +5,12 @@ repeated so that the report can tell a difference from timing noise."""
 from __future__ import annotations
 
 import statistics
-import sys
 import time
 from collections.abc import Sequence
 
 import torch
-from tqdm import tqdm
 
+from npuport.benchlog import Progress
 from npuport.errors import NpuportError
 from npuport.runtime.generate import generate
 from npuport.runtime.model import Qwen35
@@ -81,23 +80,22 @@ def measure_throughput(model: Qwen35, prompts: Sequence[Sequence[int]], new_toke
     median prefill time and the median decode time (full call - prefill call, per repeat), output tok/s that of
     the median full call; `ranges` holds each figure's lowest and highest over the repeats (repeat_ranges): the
     spread the report weighs differences against.
-    `model_label` names the model timed, so that the report compares runs of one model only. A progress bar on
-    stderr shows the timed calls when stderr is a terminal."""
+    `model_label` names the model timed, so that the report compares runs of one model only. Progress goes to
+    stderr (benchlog.Progress: a bar on a terminal, else a line every few seconds)."""
     if new_tokens < 2:
         raise NpuportError("throughput needs at least 2 new tokens per request (one prefill, one decode)")
     if repeats < 1:
         raise NpuportError("throughput needs at least one timed repeat")
     batch, prompt_tokens = len(prompts), sum(len(p) for p in prompts)
     prefill_s, call_s = [], []
-    with tqdm(total=1 + 2 * repeats, desc=f"timing {label}", unit="call", file=sys.stderr, disable=None,
-              leave=False) as bar:
+    with Progress(f"timing {label}", 1 + 2 * repeats, "calls", tokens=True) as bar:
         generate(model, prompts, min(new_tokens, WARMUP_TOKENS), mtp=mtp, invariant=invariant)
-        bar.update()
+        bar.update(advance=1, tokens=batch * min(new_tokens, WARMUP_TOKENS))
         for _ in range(repeats):
             prefill_s.append(_timed_generate(model, prompts, 1, mtp, invariant))
-            bar.update()
+            bar.update(advance=1, tokens=batch)
             call_s.append(_timed_generate(model, prompts, new_tokens, mtp, invariant))
-            bar.update()
+            bar.update(advance=1, tokens=batch * new_tokens)
     # The medians of the prefill and the decode time: one call slowed by other work on the machine moves neither.
     median_prefill = statistics.median(prefill_s)
     median_decode = statistics.median(c - p for p, c in zip(prefill_s, call_s, strict=True))

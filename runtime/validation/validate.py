@@ -1,13 +1,17 @@
 """`npuport validate --gsm8k`: one GSM8K protocol on the artifact (built-in runtime, or any OpenAI-compatible
 endpoint) and on its BF16 source, the paired comparison, fidelity, throughput, MTP acceptance and the gates,
-written as report.json, report.md, plots and completions.jsonl (VALIDATION.md). An endpoint's answers are also
-written to answers.jsonl as they arrive. Optionally the determinism of greedy output: the questions answered again,
-and by the same model without MTP (determinism.py)."""
+written as report.json, report.md, plots and completions.jsonl (VALIDATION.md). Optionally the determinism of
+greedy output: the questions answered again, and by the same model without MTP (determinism.py).
+
+Every answer, fidelity sequence and throughput run is appended to the output folder as it is made, and a run
+stopped in any way continues where it stopped (--resume, or the same command again): journal.py."""
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import platform
+import re
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -15,6 +19,7 @@ from typing import Any
 
 import torch
 
+from npuport.benchlog import Progress
 from npuport.checksums import listing_checksum, sha256_file
 from npuport.devices import pick_device
 from npuport.errors import EndpointError, NpuportError
@@ -23,15 +28,18 @@ from npuport.runtime.generate import AcceptanceStats
 from npuport.runtime.selftest.run import implementations_record
 from npuport.runtime.text_completions import RuntimeBatch, RuntimeCompletions
 from npuport.runtime.textgen import load_tokenizer
+from npuport.runtime.validation.command_line import validate_command
 from npuport.runtime.validation.determinism import CompletionAgreement, Determinism, compare_completions
 from npuport.runtime.validation.endpoint import served_models
 from npuport.runtime.validation.endpoint_fidelity import DEFAULT_TOP_K, logprob_fidelity
 from npuport.runtime.validation.fidelity import measure_fidelity
 from npuport.runtime.validation.gates import (
+    CHANCE,
     DEFAULT_MAX_ACCURACY_DROP,
     acceptance_gate,
     accuracy_drop_gate,
     answered_gate,
+    min_accuracy_gate,
 )
 from npuport.runtime.validation.gsm8k import (
     DEFAULT_PROTOCOL,
@@ -42,8 +50,16 @@ from npuport.runtime.validation.gsm8k import (
     questions_name,
 )
 from npuport.runtime.validation.gsm8k_results import GSM8KResult
+from npuport.runtime.validation.journal import Journal
 from npuport.runtime.validation.labels import BF16, is_w8a8, report_labels
-from npuport.runtime.validation.report import AccuracyRow, Gate, MTPAcceptance, ThroughputRun, ValidationReport
+from npuport.runtime.validation.report import (
+    AccuracyRow,
+    Fidelity,
+    Gate,
+    MTPAcceptance,
+    ThroughputRun,
+    ValidationReport,
+)
 from npuport.runtime.validation.report_files import ReportFiles, write_report
 from npuport.runtime.validation.runners import EndpointRunner, Runner, RuntimeRunner
 from npuport.runtime.validation.throughput import measure_throughput
@@ -52,6 +68,10 @@ COMPLETIONS_NAME = "completions.jsonl"
 ANSWERS_NAME = "answers.jsonl"
 REFERENCE_ANSWERS_NAME = "answers-reference.jsonl"
 WITHOUT_MTP_ANSWERS_NAME = "answers-without-mtp.jsonl"
+FIDELITY_NAME = "fidelity.jsonl"  # each fidelity sequence's sums (or a server's fidelity, whole), as made
+THROUGHPUT_NAME = "throughput.jsonl"  # each timed throughput run, as made
+REPORT_NAMES = ("report.json", "report.md", "accuracy.png", "mtp_acceptance.png", "throughput.png")
+_RESULT_FILES = re.compile(r"answers(-reference|-without-mtp|-run\d+)?\.jsonl")
 CHECKSUM_METHOD = "sha256 of the artifact's SHA256SUMS listing (the sha256 of every file, sha256sum format)"
 NO_CHECKSUM = "not taken: no local files (validated through --endpoint with --tokenizer only)"
 
@@ -96,6 +116,8 @@ class ValidateOptions:
     mtp_reference_endpoint: str | None = None  # --endpoint's model served without MTP
     mtp_reference_endpoint_model: str | None = None  # None: the one model the server lists
     compare_without_mtp: bool = False  # the built-in runtime answers once more without MTP
+    resume: bool = False  # continue the run stopped in the output folder (one stopped there is continued anyway)
+    min_accuracy: float | str | None = CHANCE  # gates.min_accuracy_gate: CHANCE or percent; None: no floor
 
     def __post_init__(self) -> None:
         if self.max_new_tokens is None:
@@ -168,25 +190,16 @@ def describe_device(device: torch.device) -> str:
 # The steps
 
 
-def _progress(label: str, total: int, log: Log) -> Callable[[int], None]:
-    """Logs about ten progress lines over `total` questions."""
-    step = max(1, total // 10)
-    shown = [0]
-
-    def report(done: int) -> None:
-        if done - shown[0] >= step or done == total:
-            shown[0] = done
-            log(f"  {label}: {done}/{total}")
-
-    return report
-
-
 def run_gsm8k(runner: Runner, protocol: GSM8KProtocol, prompts: Sequence[str], label: str, log: Log,
               answers: Path) -> tuple[GSM8KResult, CompletionBatch]:
-    """Complete and score the prompts; the batch carries the texts, token counts and latency. A runner whose
-    answers arrive one by one writes them to `answers` as they do; a failed question is scored as its empty text."""
+    """Complete and score the prompts; the batch carries the texts, token counts and latency. Each answer is
+    appended to `answers` as it is made, and what `answers` holds already (a stopped run's) is kept; a failed
+    question is scored as its empty text."""
     log(f"{label}: {protocol.name} protocol, {len(prompts)} questions, up to {protocol.max_new_tokens} new tokens")
-    batch = runner.complete_questions(protocol, prompts, answers, _progress(label, len(prompts), log))
+    with Progress(label, len(prompts), "questions", tokens=True) as progress:
+        batch = runner.complete_questions(protocol, prompts, answers, progress)
+    if progress.start:
+        log(f"{label}: {progress.start} of {len(prompts)} answers kept from the stopped run ({answers.name})")
     if batch.failures:
         log(f"{label}: {len(batch.failures)} of {len(prompts)} question(s) FAILED (scored as wrong): "
             f"{', '.join(map(str, sorted(batch.failures)))}")
@@ -217,13 +230,22 @@ def implementations_setting(device: torch.device) -> str:
 
 
 def throughput_runs(runner: RuntimeCompletions, prompts: Sequence[Sequence[int]], new_tokens: int, mtp: int,
-                    label: str, log: Log) -> list[ThroughputRun]:
-    """The runner's model on one batch, without MTP and (when mtp > 0) with it."""
+                    label: str, log: Log, journal: Journal | None = None) -> list[ThroughputRun]:
+    """The runner's model on one batch, without MTP and (when mtp > 0) with it; each run appended to the
+    journal's throughput.jsonl when timed, and one it holds already (a stopped run's) not timed again."""
+    kept = {row["label"]: ThroughputRun(**row["run"]) for row in journal.rows(THROUGHPUT_NAME)} if journal else {}
     runs = []
     for k in sorted({0, mtp}):
         name = label if k == 0 else f"{label} + MTP k={k}"
+        if name in kept:
+            runs.append(kept[name])
+            log(f"{name}: timed by the stopped run ({THROUGHPUT_NAME})")
+            continue
         run = measure_throughput(runner.model, prompts, new_tokens, mtp=k, label=name, repeats=THROUGHPUT_REPEATS,
                                  invariant=runner.options.invariant, model_label=label)
+        if journal is not None:
+            with journal.appender(THROUGHPUT_NAME) as f:
+                f.write({"label": name, "run": dataclasses.asdict(run)})
         runs.append(run)
         decode = (f"decode {run.decode_tokens_per_s:.1f} tok/s, {run.time_per_output_token_ms:.2f} ms per output token"
                   if run.decode_tokens_per_s is not None else "decode not measurable (noise above the decode time)")
@@ -297,7 +319,7 @@ def _candidate_runner(opts: ValidateOptions, device: torch.device, log: Log) -> 
         client = _endpoint_runner(opts, opts.endpoint, _endpoint_model(opts), "--endpoint-model")
         return (client, _endpoint_tokenizer(opts),
                 f"endpoint {client.url} (model {client.model}, {opts.parallel} in parallel)")
-    log(f"loading {opts.artifact} on {device}")
+    log(f"loading {opts.artifact} on {device} in {opts.dtype}")
     runtime = RuntimeRunner.load(opts.artifact, device=device, dtype=opts.dtype, batch_size=opts.batch_size,
                                  mtp=opts.mtp, invariant=opts.batch_invariant, dispatch=opts.dispatch)
     return runtime, runtime.tokenizer, f"built-in runtime, batch size {opts.batch_size}, MTP k={opts.mtp}, {opts.dtype}"
@@ -306,7 +328,7 @@ def _candidate_runner(opts: ValidateOptions, device: torch.device, log: Log) -> 
 def _reference_runner(opts: ValidateOptions, device: torch.device, log: Log) -> tuple[Runner, str] | None:
     """The reference - the BF16 source in the built-in runtime, a server, or none - and a description."""
     if opts.reference is not None:
-        log(f"loading reference {opts.reference} on {device}")
+        log(f"loading reference {opts.reference} on {device} in {opts.dtype}")
         reference = RuntimeRunner.load(opts.reference, device=device, dtype=opts.dtype, batch_size=opts.batch_size,
                                        mtp=opts.mtp, invariant=opts.batch_invariant, dispatch=opts.dispatch)
         return reference, str(opts.reference)
@@ -328,23 +350,33 @@ def kernels_setting(invariant: bool, mtp: int) -> str:
 
 def _measure_on_runtime(report: ValidationReport, opts: ValidateOptions, candidate: RuntimeCompletions,
                         cand_batch: RuntimeBatch, reference: RuntimeCompletions | None,
-                        ref_batch: RuntimeBatch | None, log: Log) -> None:
+                        ref_batch: RuntimeBatch | None, log: Log, journal: Journal) -> None:
     """What only the models themselves give: fidelity, throughput, MTP acceptance (the batches are the
-    built-in runtime's, which carry token ids and acceptance)."""
+    built-in runtime's, which carry token ids and acceptance). Each fidelity sequence and throughput run is
+    appended to the journal as it is made, and what it holds already is not measured again."""
     if reference is not None and ref_batch is not None:
-        f = opts.fidelity_questions or len(cand_batch.prompt_ids)
-        log(f"fidelity: {report.candidate_label} against {report.reference_label} on "
-            f"{min(f, len(cand_batch.prompt_ids))} prompts")
-        report.fidelity = measure_fidelity(candidate.model, reference.model, cand_batch.prompt_ids[:f],
-                                           cand_batch.token_ids[:f], ref_batch.token_ids[:f])
+        journal.phase("fidelity")
+        f = min(opts.fidelity_questions or len(cand_batch.prompt_ids), len(cand_batch.prompt_ids))
+        log(f"fidelity: {report.candidate_label} against {report.reference_label} on {f} prompts")
+        done = [row["sums"] for row in journal.rows(FIDELITY_NAME) if "sums" in row]
+        with journal.appender(FIDELITY_NAME) as rows, Progress("fidelity", f, "sequences", tokens=True) as progress:
+            report.fidelity = measure_fidelity(
+                candidate.model, reference.model, cand_batch.prompt_ids[:f], cand_batch.token_ids[:f],
+                ref_batch.token_ids[:f], done=done, progress=progress,
+                on_sequence=lambda sums: rows.write({"sequence": progress.done, "sums": sums}))
+        if progress.start:
+            log(f"fidelity: {progress.start} of {f} sequences kept from the stopped run ({FIDELITY_NAME})")
     if opts.throughput:
+        journal.phase("throughput")
         prompts = cand_batch.prompt_ids[:opts.batch_size]
         for label, runner in ((report.candidate_label, candidate), (report.reference_label, reference)):
             if runner is not None:
-                report.throughput += throughput_runs(runner, prompts, opts.max_new_tokens, opts.mtp, label, log)
+                report.throughput += throughput_runs(runner, prompts, opts.max_new_tokens, opts.mtp, label, log,
+                                                     journal)
         report.settings["throughput"] = (
-            f"the first {len(prompts)} GSM8K prompts as one batch (mean {sum(map(len, prompts)) / len(prompts):.0f} "
-            f"tokens), {opts.max_new_tokens} new tokens each, no stop tokens, after a warm-up; prefill = a call "
+            f"the first {len(prompts)} {report.settings.get('questions_name', 'GSM8K')} prompts as one batch "
+            f"(mean {sum(map(len, prompts)) / len(prompts):.0f} tokens), {opts.max_new_tokens} new tokens each, "
+            "no stop tokens, after a warm-up; prefill = a call "
             f"making one token, decode = the rest; each figure over {THROUGHPUT_REPEATS} repeats (the median "
             "prefill and decode times), with its lowest and highest")
     if cand_batch.acceptance is not None:
@@ -354,21 +386,32 @@ def _measure_on_runtime(report: ValidationReport, opts: ValidateOptions, candida
 
 
 def _measure_by_logprobs(report: ValidationReport, opts: ValidateOptions, candidate: Runner, reference: Runner,
-                         tokenizer: Any, prompts: Sequence[str], protocol: GSM8KProtocol, log: Log) -> None:
+                         tokenizer: Any, prompts: Sequence[str], protocol: GSM8KProtocol, log: Log,
+                         journal: Journal) -> None:
     """Fidelity where a side is a server: from log-probabilities (endpoint_fidelity.py), on the first
-    fidelity_questions prompts, tokenized by the artifact's tokenizer."""
+    fidelity_questions prompts, tokenized by the artifact's tokenizer; appended to the journal whole once
+    measured (a stopped run measures it again from the start, a finished one not)."""
     if tokenizer is None:
         report.settings["fidelity"] = "not measured: the artifact has no tokenizer to turn the prompts into tokens"
         return
-    f = min(opts.fidelity_questions or len(prompts), len(prompts))
-    log(f"fidelity: {report.candidate_label} against {report.reference_label} on {f} prompts, from "
-        f"top-{opts.fidelity_top_k} log-probabilities")
-    ids = [list(tokenizer.encode(p)) for p in prompts[:f]]
-    measured = logprob_fidelity(candidate.logprob_source(), reference.logprob_source(), ids, protocol.max_new_tokens,
-                                protocol.stop, opts.fidelity_top_k)
-    report.fidelity = measured.fidelity
+    journal.phase("fidelity")
+    kept = [row["logprob_fidelity"] for row in journal.rows(FIDELITY_NAME) if "logprob_fidelity" in row]
+    if kept:
+        fidelity = {**kept[-1], "topk_kl_estimates": {int(k): v for k, v in kept[-1]["topk_kl_estimates"].items()}}
+        report.fidelity = Fidelity(**fidelity)
+        log(f"fidelity: measured by the stopped run ({FIDELITY_NAME})")
+    else:
+        f = min(opts.fidelity_questions or len(prompts), len(prompts))
+        log(f"fidelity: {report.candidate_label} against {report.reference_label} on {f} prompts, from "
+            f"top-{opts.fidelity_top_k} log-probabilities")
+        ids = [list(tokenizer.encode(p)) for p in prompts[:f]]
+        measured = logprob_fidelity(candidate.logprob_source(), reference.logprob_source(), ids,
+                                    protocol.max_new_tokens, protocol.stop, opts.fidelity_top_k)
+        report.fidelity = measured.fidelity
+        with journal.appender(FIDELITY_NAME) as rows:
+            rows.write({"logprob_fidelity": dataclasses.asdict(measured.fidelity)})
     report.settings["fidelity"] = (
-        f"from top-{opts.fidelity_top_k} log-probabilities ({measured.fidelity.kl_method}); the estimate's bias "
+        f"from top-{opts.fidelity_top_k} log-probabilities ({report.fidelity.kl_method}); the estimate's bias "
         "against the full-vocabulary KL is what validate reports beside it when both models run in the built-in "
         "runtime")
 
@@ -427,17 +470,80 @@ def measure_determinism(opts: ValidateOptions, first: _ModelRun, run: RunQuestio
     return determinism, runs
 
 
+def _folder_checksum(folder: Path | None, log: Log) -> str | None:
+    if folder is None:
+        return None
+    log(f"checksum of {folder}")
+    return artifact_checksum(folder)
+
+
+def _data_checksum(data: Path | None) -> str:
+    """The questions' files, by content: "shipped" for the copy shipped with npuport."""
+    if data is None:
+        return "shipped"
+    data = Path(data)
+    files = sorted(data.glob("*.jsonl")) if data.is_dir() else [data]
+    return listing_checksum({p.name: sha256_file(p) for p in files})
+
+
+def resume_options(opts: ValidateOptions, device: torch.device, checksums: dict[str, str | None]) -> dict[str, Any]:
+    """What decides a run's results, by the option that says it (`checksums`: the artifact's, the reference's and
+    the tokenizer's, where local): a stopped run is continued only with all of them the same. Gates, the
+    endpoints' timeouts, retries, parallelism and key may change."""
+    return {
+        "ARTIFACT (checksum of its files)": checksums.get("artifact"),
+        "--reference (checksum of its files)": checksums.get("reference"),
+        "--tokenizer (checksum of its files)": checksums.get("tokenizer"),
+        "--protocol": opts.protocol, "--data (checksum of its files)": _data_checksum(opts.data),
+        "--num-questions": opts.num_questions, "--shots": opts.shots, "--max-new-tokens": opts.max_new_tokens,
+        "--seed": opts.seed, "--chat-template-kwargs": opts.chat_template_kwargs, "--batch-size": opts.batch_size,
+        "--mtp": opts.mtp, "--device": str(device), "--dtype": opts.dtype,
+        "--batch-invariant": opts.batch_invariant, "--dispatch": opts.dispatch,
+        "--endpoint": opts.endpoint, "--endpoint-model": opts.endpoint_model,
+        "--reference-endpoint": opts.reference_endpoint, "--reference-endpoint-model": opts.reference_endpoint_model,
+        "--repeat": opts.repeat, "--mtp-reference-endpoint": opts.mtp_reference_endpoint,
+        "--mtp-reference-endpoint-model": opts.mtp_reference_endpoint_model,
+        "--compare-without-mtp": opts.compare_without_mtp, "--fidelity-questions": opts.fidelity_questions,
+        "--fidelity-top-k": opts.fidelity_top_k, "--throughput": opts.throughput,
+    }
+
+
+def owned_files(out: Path) -> list[str]:
+    """The files of an earlier run in `out` that a fresh run removes first: its results and its report."""
+    answers = [p.name for p in out.glob("answers*.jsonl") if _RESULT_FILES.fullmatch(p.name)] if out.is_dir() else []
+    return [*answers, FIDELITY_NAME, THROUGHPUT_NAME, COMPLETIONS_NAME, *REPORT_NAMES]
+
+
 def run_validation(options: ValidateOptions, out_dir: Path | str, log: Log = print) -> ValidationOutcome:
     """Measure, gate and write the report into `out_dir`; the gates' verdicts are in the outcome (a failed
     gate is not an exception: the caller decides the exit status). With a reference on the built-in
-    runtime both models are held at once (fidelity compares them position by position)."""
+    runtime both models are held at once (fidelity compares them position by position).
+
+    Every result is appended to `out_dir` as it is made (journal.py); a run stopped there with the same options
+    is continued (options.resume or not), one with other options refused."""
     opts = options
     opts.check()
+    device = pick_device(opts.device)
+    out = Path(out_dir)
+    journal = Journal(out, log)
+    checksums = {"artifact": _folder_checksum(opts.artifact, log),
+                 "reference": _folder_checksum(opts.reference, log),
+                 "tokenizer": _folder_checksum(opts.tokenizer, log)}
+    journal.start(resume_options(opts, device, checksums), opts.resume, owned_files(out))
+    try:
+        outcome = _run_validation(opts, out, log, device, journal, checksums["artifact"])
+        journal.finish()
+        return outcome
+    finally:
+        journal.close()
+
+
+def _run_validation(opts: ValidateOptions, out_dir: Path, log: Log, device: torch.device, journal: Journal,
+                    checksum: str | None) -> ValidationOutcome:
     cand_label, ref_label = report_labels(opts.artifact, opts.reference, dtype=opts.dtype,
                                           artifact_served=opts.endpoint is not None,
                                           reference_served=opts.reference_endpoint is not None)
     ref_label = ref_label or BF16  # no reference: the label is never shown
-    device = pick_device(opts.device)
     candidate, tokenizer, runner_text = _candidate_runner(opts, device, log)
     if opts.protocol == "aisbench" and tokenizer is None:
         log(f"warning: {opts.artifact} has no tokenizer; the aisbench prompts are sent without a chat template")
@@ -450,11 +556,12 @@ def run_validation(options: ValidateOptions, out_dir: Path | str, log: Log = pri
         "runner": runner_text, "protocol": protocol.name, "shots": protocol.shots, "questions": n,
         "max_new_tokens": opts.max_new_tokens, "stop": list(protocol.stop),
         "data": str(opts.data) if opts.data is not None else "GSM8K test split shipped with npuport",
-        "questions_name": questions_name(opts.data)}
+        "questions_name": questions_name(opts.data), "command": validate_command(opts, out_dir)}
     log(f"questions: {settings['questions_name']}, from {settings['data']}")
 
     def run(label: str, runner: Runner, answers_name: str) -> _ModelRun:
         answers = Path(out_dir) / answers_name
+        journal.phase(f"answers of {label} ({answers_name})")
         return _ModelRun(label, runner, answers, *run_gsm8k(runner, protocol, prompts, label, log, answers))
 
     runs = [run(cand_label, candidate, ANSWERS_NAME)]
@@ -487,7 +594,7 @@ def run_validation(options: ValidateOptions, out_dir: Path | str, log: Log = pri
         settings["implementations"] = implementations_setting(local[0].model.device)
         ref_local = local[1] if len(runs) > 1 else None
         _measure_on_runtime(report, opts, local[0], runs[0].batch, ref_local,
-                            runs[1].batch if ref_local is not None else None, log)
+                            runs[1].batch if ref_local is not None else None, log, journal)
     for r in runs:
         failed = r.runner.failed_questions(r.label, r.batch)
         if failed is not None:
@@ -498,19 +605,21 @@ def run_validation(options: ValidateOptions, out_dir: Path | str, log: Log = pri
         settings["answers"] = "each endpoint answer, or its error, as it arrived: " + ", ".join(
             r.answers.name for r in served)
         if len(runs) > 1:
-            _measure_by_logprobs(report, opts, candidate, runs[1].runner, tokenizer, prompts, protocol, log)
+            _measure_by_logprobs(report, opts, candidate, runs[1].runner, tokenizer, prompts, protocol, log, journal)
 
+    if opts.min_accuracy is not None:
+        report.gates.append(min_accuracy_gate(row.candidate, opts.min_accuracy, cand_label))
     if row.reference is not None and opts.max_accuracy_drop is not None:
         report.gates.append(accuracy_drop_gate(row, opts.max_accuracy_drop, cand_label, ref_label))
     if opts.min_acceptance is not None and report.mtp is not None:
         report.gates.append(acceptance_gate(report.mtp, opts.min_acceptance))
 
-    if opts.artifact is not None:
-        log(f"checksum of {opts.artifact}")
-        report.artifact_checksum = artifact_checksum(opts.artifact)
+    if checksum is not None:
+        report.artifact_checksum = checksum
         settings["artifact_checksum"] = CHECKSUM_METHOD
     else:
         settings["artifact_checksum"] = NO_CHECKSUM
+    journal.phase("report")
     files = write_report(report, out_dir)
     completions = [(r.label, r.result, r.batch) for r in runs + again]
     return ValidationOutcome(report, files, write_completions(files.json.parent / COMPLETIONS_NAME, completions))
