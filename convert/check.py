@@ -6,11 +6,13 @@ from __future__ import annotations
 import unicodedata
 from pathlib import Path
 
+import torch
+
 from npuport.convert.ascend_writer import DESCRIPTION_GLOBALS, INDEX_NAME
 from npuport.convert.engine_rules import engine_problems
 from npuport.convert.labels import engine_float_reason
-from npuport.convert.qwen35_names import FUSED_EXPERTS, fused_group, is_linear_weight, is_mtp, split_param
-from npuport.convert.recipe import FLOAT, W8A8_DYNAMIC
+from npuport.convert.qwen35_names import FUSED_EXPERTS, PER_EXPERT, fused_group, is_linear_weight, is_mtp, split_param
+from npuport.convert.recipe import FLOAT, QUANTIZED, W4A8_DYNAMIC, W8A8_DYNAMIC
 from npuport.convert.safetensors_io import MappedShards, TensorEntry, read_header
 from npuport.convert.source import (
     CONFIG_NAME,
@@ -21,11 +23,11 @@ from npuport.convert.source import (
     shown_value,
 )
 from npuport.convert.source import INDEX_NAME as SOURCE_INDEX_NAME
+from npuport.convert.w4a8 import scale_bias, scale_bias_groups, unpack_int4
 from npuport.errors import ArtifactError, NpuportError
 from npuport.jsonfile import read_json_object
 from npuport.paths import file_inside, hub_cache_blobs
 
-QUANT_PARAMS = ("weight", "weight_scale", "weight_offset")
 SOURCE_ONLY_FILES = ("model.safetensors.index.json", "model.safetensors")
 
 
@@ -96,13 +98,14 @@ def _read_shards(art: Path, problems: list[str], index_name: str = INDEX_NAME, s
     return entries
 
 
-def _config_problems(config: dict, entries: dict[str, TensorEntry]) -> list[str]:
-    """The tensors against config.json, by the rule convert and the loader apply (convert.source)."""
+def _config_problems(config: dict, shapes: dict[str, tuple[int, ...]]) -> list[str]:
+    """The tensors (name -> shape as the model sees it) against config.json, by the rule convert and the loader
+    apply (convert.source)."""
     try:
         sizes = ModelConfig.from_dict(config, "config.json")
     except NpuportError as e:
         return [str(e)]
-    return config_problems(sizes, {name: e.shape for name, e in entries.items()})
+    return config_problems(sizes, shapes)
 
 
 def check_folder(folder: Path) -> list[str]:
@@ -159,27 +162,48 @@ def _single_shard(src: Path, problems: list[str], blobs: Path | None) -> dict[st
     return dict(found)
 
 
-def _check_quantized(module: str, entries: dict[str, TensorEntry], desc: dict, reader: MappedShards,
+# The tensors of a quantized layer, by its label (CONTRACT.md; W4A8_DYNAMIC as msModelSlim 26.1's saver writes it)
+QUANT_PARAMS = {W8A8_DYNAMIC: ("weight", "weight_scale", "weight_offset"),
+                W4A8_DYNAMIC: ("weight", "weight_scale", "weight_offset", "scale_bias")}
+
+
+def logical_shapes(entries: dict[str, TensorEntry], labels: dict) -> dict[str, tuple[int, ...]]:
+    """Each tensor's shape as the model sees it: a W4A8_DYNAMIC weight stores int4 pairs packed along its rows (int8
+    [N/2, K]), so its layer is [N, K]."""
+    return {name: (2 * e.shape[0], *e.shape[1:]) if labels.get(name) == W4A8_DYNAMIC and name.endswith(".weight")
+            and len(e.shape) == 2 else e.shape for name, e in entries.items()}
+
+
+def _check_quantized(module: str, label: str, entries: dict[str, TensorEntry], desc: dict, reader: MappedShards,
                      problems: list[str]) -> None:
     w = entries[f"{module}.weight"]
+    packed = label == W4A8_DYNAMIC
     if w.dtype != "I8" or len(w.shape) != 2:
-        problems.append(f"{w.name}: W8A8_DYNAMIC weight must be int8 [N, K], is {w.dtype} {list(w.shape)}")
+        what = "int8 [N/2, K] (int4 pairs)" if packed else "int8 [N, K]"
+        problems.append(f"{w.name}: {label} weight must be {what}, is {w.dtype} {list(w.shape)}")
         return
-    for param in ("weight_scale", "weight_offset"):
+    rows = 2 * w.shape[0] if packed else w.shape[0]
+    for param in QUANT_PARAMS[label][1:]:
         name = f"{module}.{param}"
         e = entries.get(name)
         if e is None:
             problems.append(f"{name}: missing for quantized layer {module}")
             continue
-        if desc.get(name) != W8A8_DYNAMIC:
-            problems.append(f"{name}: labelled {shown_value(desc.get(name))}, must be W8A8_DYNAMIC like "
-                            f"{module}.weight")
-        if e.dtype != "F32" or e.shape != (w.shape[0], 1):
-            problems.append(f"{name}: must be float32 [{w.shape[0]}, 1], is {e.dtype} {list(e.shape)}")
+        if desc.get(name) != label:
+            problems.append(f"{name}: labelled {shown_value(desc.get(name))}, must be {label} like {module}.weight")
+        columns = scale_bias_groups(module) if param == "scale_bias" else 1
+        if e.dtype != "F32" or e.shape != (rows, columns):
+            problems.append(f"{name}: must be float32 [{rows}, {columns}], is {e.dtype} {list(e.shape)}")
         elif param == "weight_offset" and bool(reader.view(e).any()):
             problems.append(f"{name}: must be all zeros (engines ignore it)")
         elif param == "weight_scale" and not bool((reader.view(e) > 0).all()):
             problems.append(f"{name}: scales must be positive")
+        elif param == "scale_bias" and f"{module}.weight_scale" in entries:
+            scale = entries[f"{module}.weight_scale"]
+            if scale.shape == (rows, 1) and not torch.equal(
+                    reader.view(e), scale_bias(unpack_int4(reader.view(w)), reader.view(scale), columns)):
+                problems.append(f"{name}: is not 8 x the sum of the dequantized weight over each of its {columns} "
+                                "slice(s) of K (msModelSlim's scale_bias)")
     bias = entries.get(f"{module}.bias")
     if bias is not None and (bias.dtype != "F32" or desc.get(bias.name) != FLOAT):
         problems.append(f"{bias.name}: bias of a quantized layer must be float32 and labelled FLOAT")
@@ -209,11 +233,12 @@ def check_artifact(art: Path) -> list[str]:
         if isinstance(config.get("text_config"), dict) and "quantization_config" in config["text_config"]:
             problems.append("config.json: text_config has quantization_config (sglang reads it instead)")
     entries = _read_shards(art, problems)
-    if config is not None and entries:
-        problems += _config_problems(config, entries)
-    if config is not None:
-        problems += engine_problems(art, config, {name: e.shape for name, e in entries.items()})
     desc = _load_json(descs[0], problems) if len(descs) == 1 else None
+    shapes = logical_shapes(entries, desc or {})
+    if config is not None and entries:
+        problems += _config_problems(config, shapes)
+    if config is not None:
+        problems += engine_problems(art, config, shapes)
     if desc is None:
         return problems
     for key, value in DESCRIPTION_GLOBALS.items():
@@ -231,7 +256,7 @@ def check_artifact(art: Path) -> list[str]:
     for name, label in labels.items():
         if name not in entries:
             problems.append(f"{name}: description entry for a tensor that is not written")
-        elif label not in (W8A8_DYNAMIC, FLOAT):
+        elif label not in (*QUANTIZED, FLOAT):
             problems.append(f"{name}: unknown label {shown_value(label)}")
     reader = MappedShards()
     try:
@@ -250,16 +275,18 @@ def _check_layers(entries: dict[str, TensorEntry], labels: dict, reader: MappedS
             problems.append(f"{name}: experts must be stored per expert (mlp.experts.<e>.<proj>.weight)")
         if is_mtp(name) and (label != FLOAT or e.dtype != "BF16"):
             problems.append(f"{name}: every mtp.* tensor must be BF16 and FLOAT, is {e.dtype} {label}")
-        if label == W8A8_DYNAMIC and param not in QUANT_PARAMS:
-            problems.append(f"{name}: only weight/weight_scale/weight_offset of a quantized layer can be W8A8_DYNAMIC")
-        if param == "weight" and (is_linear_weight(name, e.shape) or label == W8A8_DYNAMIC):
+        if label in QUANT_PARAMS and param not in QUANT_PARAMS[label]:
+            problems.append(f"{name}: only {'/'.join(QUANT_PARAMS[label])} of a quantized layer can be {label}")
+        if label == W4A8_DYNAMIC and (PER_EXPERT.match(module) is None or is_mtp(module)):
+            problems.append(f"{name}: W4A8_DYNAMIC is for routed experts only")
+        elif param == "weight" and (is_linear_weight(name, e.shape) or label in QUANTIZED):
             module_labels[module] = label
-            if label == W8A8_DYNAMIC:
-                _check_quantized(module, entries, labels, reader, problems)
+            if label in QUANTIZED:
+                _check_quantized(module, label, entries, labels, reader, problems)
             elif e.dtype == "I8":
                 problems.append(f"{name}: int8 weight labelled FLOAT")
-        if label == FLOAT and param in ("weight_scale", "weight_offset"):
-            problems.append(f"{name}: scale/offset of a FLOAT layer")
+        if label == FLOAT and param in QUANT_PARAMS[W4A8_DYNAMIC][1:]:
+            problems.append(f"{name}: scale/offset/scale_bias of a FLOAT layer")
     groups: dict[str, set[str]] = {}
     for module, label in module_labels.items():
         reason = engine_float_reason(module)

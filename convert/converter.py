@@ -11,6 +11,7 @@ import hashlib
 import re
 import shutil
 import time
+from collections import Counter
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
@@ -31,9 +32,16 @@ from npuport.convert.engine_facts import EngineTarget
 from npuport.convert.engine_rules import engine_problems
 from npuport.convert.plan import Plan, Unit, build_plan
 from npuport.convert.qwen35_names import layer_kinds
-from npuport.convert.recipe import Recipe, checked_part_file_size, default_recipe_path, load_recipe
+from npuport.convert.recipe import (
+    FLOAT,
+    W4A8_DYNAMIC,
+    Recipe,
+    checked_part_file_size,
+    default_recipe_path,
+    load_recipe,
+)
 from npuport.convert.source import INDEX_NAME, SourceCheckpoint, open_source
-from npuport.errors import ArtifactError, CheckpointError, NpuportError
+from npuport.errors import ArtifactError, CheckpointError, NpuportError, RecipeError
 from npuport.output_folder import GB, MANIFEST_NAME, MANIFEST_TOOL, OutputFolder
 
 
@@ -76,9 +84,11 @@ def _manifest(src: SourceCheckpoint, recipe: Recipe, plan: Plan, source_checksum
     return {
         "tool": MANIFEST_TOOL,
         "version": __version__,
-        "command": "convert-qwen35 --a8w8" + (f" --engine {engine.engine}=={engine.version}" if engine else ""),
+        "command": f"convert-qwen35 {'--w4a8' if plan.scheme == W4A8_DYNAMIC else '--a8w8'}"
+                   + (f" --engine {engine.engine}=={engine.version}" if engine else ""),
         "engine": {"name": engine.engine, "version": str(engine.version)} if engine else None,
-        "scheme": "W8A8_DYNAMIC",
+        "scheme": plan.scheme,
+        "schemes": plan.schemes,
         "source": {"name": src.path.resolve().name, "model_type": src.model_type, "checksums": source_checksums},
         "recipe": {"name": recipe.name, "file": recipe.source_name,
                    "sha256": hashlib.sha256(recipe.text.encode()).hexdigest(), "notes": recipe.notes},
@@ -99,10 +109,13 @@ def convert_qwen35(
     show_progress: bool = True,
     full_sha256: bool = False,
     engine: EngineTarget | None = None,
+    scheme: str | None = None,
     log: Callable[[str], None] = print,
 ) -> ConversionResult:
-    """Convert the Qwen3.5 BF16 checkpoint in `src` into a W8A8_DYNAMIC artifact at `out`: what the recipe asks,
-    as msModelSlim writes it; with `engine`, what that engine release cannot load quantized is kept FLOAT."""
+    """Convert the Qwen3.5 BF16 checkpoint in `src` into an msModelSlim-format artifact at `out` (W8A8_DYNAMIC, and
+    W4A8_DYNAMIC experts where the recipe asks): what the recipe asks, as msModelSlim writes it; with `engine`, what
+    that engine release cannot load quantized is kept FLOAT. `scheme`: the scheme the user asked for (`--w4a8`): a
+    recipe and source that would write another are refused before anything is written."""
     t0 = time.perf_counter()
     src, out = Path(src), Path(out)
     if part_file_size_gb is not None:
@@ -119,6 +132,10 @@ def convert_qwen35(
         log(f"recipe: {note}")
     part_bytes = int((recipe.part_file_size_gb if part_file_size_gb is None else part_file_size_gb) * GB)
     plan = build_plan(source, recipe, part_bytes, engine)
+    if scheme is not None and plan.scheme != scheme:
+        what = "a dense model has no routed experts" if not source.is_moe else "the recipe asks for no int4 layer"
+        raise RecipeError(f"{recipe.path}: {scheme} asked for, but this conversion would write {plan.scheme} only "
+                          f"({what})")
     _log_plan(plan, log)
     for pattern, rule in recipe.unmatched_includes(plan.linear_labels):  # a recipe for another model? a typo?
         log(f"warning: include pattern {pattern!r} ({rule.where}) matches no linear layer of this model")
@@ -154,8 +171,9 @@ def convert_qwen35(
 
 def _log_plan(plan: Plan, log: Callable[[str], None]) -> None:
     ignored = plan.ignore_list
-    quantized = len(plan.linear_labels) - len(ignored)
-    log(f"{quantized} linear layers -> W8A8_DYNAMIC, {len(ignored)} kept BF16 (ignore-list):")
+    counts = Counter(lab.label for lab in plan.linear_labels.values() if lab.label != FLOAT)
+    log(", ".join(f"{n} linear layers -> {scheme}" for scheme, n in sorted(counts.items()))
+        + f", {len(ignored)} kept BF16 (ignore-list):")
     by_reason: dict[str, list[str]] = {}
     for lab in ignored:
         by_reason.setdefault(lab.reason, []).append(lab.module)

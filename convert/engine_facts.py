@@ -18,7 +18,7 @@ from packaging.specifiers import InvalidSpecifier, SpecifierSet
 from packaging.version import InvalidVersion, Version
 
 from npuport.convert.qwen35_names import is_mtp
-from npuport.convert.recipe import FLOAT, W8A8_DYNAMIC
+from npuport.convert.recipe import FLOAT, QUANTIZED
 from npuport.errors import NpuportError
 from npuport.jsonfile import read_json_object
 
@@ -41,7 +41,7 @@ def _text_config(config: Mapping[str, Any]) -> Mapping[str, Any]:
 
 def _bf16_source(labels: Mapping[str, str]) -> bool:
     """A folder without int8 layers: a BF16 source (the only kind vLLM's CPU build serves)."""
-    return W8A8_DYNAMIC not in labels.values()
+    return not any(label in QUANTIZED for label in labels.values())
 
 
 def _gdn_head_dims_outside_vllm_cpu(config: Mapping[str, Any]) -> bool:
@@ -59,7 +59,7 @@ def _dtype(config: Mapping[str, Any]) -> object:
 
 
 def _quantized(labels: Mapping[str, str], pattern: str) -> bool:
-    return any(label == W8A8_DYNAMIC and re.search(pattern, name) for name, label in labels.items())
+    return any(label in QUANTIZED and re.search(pattern, name) for name, label in labels.items())
 
 
 # condition name -> whether a folder with these labels (tensor name -> label; empty for a BF16 source) and this
@@ -67,10 +67,10 @@ def _quantized(labels: Mapping[str, str], pattern: str) -> bool:
 CONDITIONS: dict[str, Callable[[Mapping[str, str], Mapping[str, Any]], bool]] = {
     # a MoE artifact whose target experts are int8 while its MTP head's experts stay BF16 (FLOAT)
     "float_mtp_experts_beside_int8_experts": lambda labels, config: FLOAT in _expert_labels(labels, mtp=True)
-    and W8A8_DYNAMIC in _expert_labels(labels, mtp=False),
+    and bool(set(QUANTIZED) & _expert_labels(labels, mtp=False)),
     # any quantized target with an MTP head (kept BF16: npuport never quantizes it)
     "quantized_target_with_mtp": lambda labels, config: any(is_mtp(n) for n in labels)
-    and any(label == W8A8_DYNAMIC for n, label in labels.items() if not is_mtp(n)),
+    and any(label in QUANTIZED for n, label in labels.items() if not is_mtp(n)),
     # a BF16 source whose GatedDeltaNet head dims vLLM's CPU kernels are not compiled for
     "bf16_source_gdn_head_dims_outside_vllm_cpu_kernels": lambda labels, config: _bf16_source(labels)
     and _gdn_head_dims_outside_vllm_cpu(config),

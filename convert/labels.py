@@ -10,7 +10,7 @@ from dataclasses import dataclass
 
 from npuport.convert.engine_facts import EngineTarget
 from npuport.convert.qwen35_names import fused_group, is_mtp
-from npuport.convert.recipe import FLOAT, W8A8_DYNAMIC, Recipe
+from npuport.convert.recipe import FLOAT, Recipe
 
 # Linear layers no engine loads quantized, and too small to matter (CONTRACT.md).
 ENGINE_FLOAT_RULES: tuple[tuple[re.Pattern, str], ...] = (
@@ -45,7 +45,7 @@ def label_linears(modules: list[str], recipe: Recipe, engine: EngineTarget | Non
         elif (reason := engine_float_reason(m) or (engine and engine.keep_float_reason(m))) is not None:
             labels[m] = LinearLabel(m, FLOAT, reason)
         else:
-            labels[m] = LinearLabel(m, W8A8_DYNAMIC, f"selected by {rule.where}")
+            labels[m] = LinearLabel(m, rule.scheme, f"selected by {rule.where}")
     groups: dict[str, list[str]] = {}
     for m in modules:
         groups.setdefault(fused_group(m), []).append(m)

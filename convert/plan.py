@@ -1,6 +1,7 @@
 """The conversion plan: every output tensor with its dtype, shape, label and how to produce it from the
 source, in model order, grouped into shards, before a byte is written. Output sizes are known from the
-source headers alone, so shard headers are written first and data streamed after them.
+source headers alone, so shard headers are written first and data streamed after them. A quantized layer's tensors
+are its scheme's: W8A8_DYNAMIC (convert/quantize.py) or W4A8_DYNAMIC (convert/w4a8.py, routed experts only).
 """
 
 from __future__ import annotations
@@ -15,14 +16,17 @@ from npuport.convert.labels import LinearLabel, label_linears
 from npuport.convert.quantize import per_channel_scale, quantize_rows
 from npuport.convert.qwen35_names import (
     FUSED_EXPERTS,
+    PER_EXPERT,
     is_linear_weight,
+    is_mtp,
     model_order_key,
     per_expert_module,
     split_param,
 )
-from npuport.convert.recipe import FLOAT, W8A8_DYNAMIC, Recipe
+from npuport.convert.recipe import FLOAT, QUANTIZED, W4A8_DYNAMIC, W8A8_DYNAMIC, Recipe
 from npuport.convert.safetensors_io import DTYPES, OutSpec, ShardReader, TensorEntry, itemsize, shown_name
 from npuport.convert.source import SourceCheckpoint
+from npuport.convert.w4a8 import scale_bias_groups, w4a8_dynamic
 from npuport.errors import CheckpointError, RecipeError
 
 BLOCK_BYTES = 64 * 1024 * 1024  # source bytes processed at once: bounds the working set
@@ -62,7 +66,7 @@ class Unit:
     specs: list[OutSpec]
     labels: list[str]
     region: Region
-    kind: str  # "copy" | "quantize" | "to_float32"
+    kind: str  # "copy" | "quantize" (W8A8_DYNAMIC) | "quantize_w4a8" | "to_float32"
 
     @property
     def nbytes(self) -> int:
@@ -83,8 +87,25 @@ class Unit:
                 yield self.specs[0].name, reader.raw(self.region.entry, start + b, start + e, block)
         elif self.kind == "to_float32":
             yield self.specs[0].name, self.region.read_rows(reader, 0, self.region.rows, block).float().reshape(-1)
+        elif self.kind == "quantize_w4a8":
+            yield from self._quantize_w4a8(reader, block)
         else:
             yield from self._quantize(reader, block)
+
+    def _quantize_w4a8(self, reader: ShardReader, block: torch.Tensor) -> Iterator[tuple[str, torch.Tensor]]:
+        """The whole projection at once: ssz's search stops when every row of the projection has converged (one
+        expert projection: tens of MB at the largest models' widths)."""
+        r = self.region
+        w = r.read_rows(reader, 0, r.rows, block)
+        if w.dtype != torch.bfloat16:
+            raise CheckpointError(f"{r.entry.file}: tensor {r.entry.name!r}: W4A8_DYNAMIC is computed on BF16 "
+                                  f"weights, this one is {r.entry.dtype} ({self.specs[0].name})")
+        if not torch.isfinite(w).all():
+            raise CheckpointError(f"{r.entry.file}: tensor {r.entry.name!r}: NaN or Inf in a weight to quantize "
+                                  f"({self.specs[0].name})")
+        packed, scale, offset, bias = w4a8_dynamic(w, self.specs[3].shape[1])
+        for spec, tensor in zip(self.specs, (packed, scale, offset, bias), strict=True):
+            yield spec.name, tensor.reshape(-1)
 
     def _quantize(self, reader: ShardReader, block: torch.Tensor) -> Iterator[tuple[str, torch.Tensor]]:
         scales = []
@@ -116,6 +137,17 @@ class Plan:
         return {s.name: lab for u in self.units for s, lab in zip(u.specs, u.labels, strict=True)}
 
     @property
+    def schemes(self) -> list[str]:
+        """The quantization schemes the plan writes, e.g. ["W4A8_DYNAMIC", "W8A8_DYNAMIC"]."""
+        return sorted({lab.label for lab in self.linear_labels.values() if lab.label in QUANTIZED})
+
+    @property
+    def scheme(self) -> str:
+        """The artifact's scheme as npuport names it: W4A8_DYNAMIC when any layer is int4 (its experts), else
+        W8A8_DYNAMIC. (msModelSlim's description says W8A8_DYNAMIC for both: it ranks no W4A8.)"""
+        return W4A8_DYNAMIC if W4A8_DYNAMIC in self.schemes else W8A8_DYNAMIC
+
+    @property
     def ignore_list(self) -> list[LinearLabel]:
         return [lab for lab in self.linear_labels.values() if lab.label == FLOAT]
 
@@ -131,6 +163,25 @@ def _quantized_unit(module: str, region: Region) -> Unit:
         OutSpec(f"{module}.weight_offset", "F32", (region.rows, 1)),
     ]
     return Unit(specs, [W8A8_DYNAMIC] * 3, region, "quantize")
+
+
+def _w4a8_unit(module: str, region: Region) -> Unit:
+    """msModelSlim's W4A8_DYNAMIC tensors of a routed-expert projection [N, K]: int4 pairs packed along N into int8
+    [N/2, K], scale and zero offset [N, 1], scale_bias [N, 1] (gate/up) or [N, 16] (down: one per K slice)."""
+    if PER_EXPERT.match(module) is None or is_mtp(module):
+        raise RecipeError(f"{module}: W4A8_DYNAMIC is written for routed experts only (as msModelSlim's W4A8 "
+                          "recipes use it); exclude this layer from the int4 step or give it the int8 qconfig")
+    groups = scale_bias_groups(module)
+    if region.rows % 2 or region.cols % groups:
+        raise CheckpointError(f"{region.entry.file}: tensor {region.entry.name!r}: W4A8_DYNAMIC needs an even number "
+                              f"of rows and columns a multiple of {groups}, {module} is [{region.rows}, {region.cols}]")
+    specs = [
+        OutSpec(f"{module}.weight", "I8", (region.rows // 2, region.cols)),
+        OutSpec(f"{module}.weight_scale", "F32", (region.rows, 1)),
+        OutSpec(f"{module}.weight_offset", "F32", (region.rows, 1)),
+        OutSpec(f"{module}.scale_bias", "F32", (region.rows, groups)),
+    ]
+    return Unit(specs, [W4A8_DYNAMIC] * 4, region, "quantize_w4a8")
 
 
 def _float_unit(name: str, region: Region, shape: tuple[int, ...]) -> Unit:
@@ -165,7 +216,7 @@ def _linear_regions(src: SourceCheckpoint) -> dict[str, Region]:
 
 def _refuse_if_nothing_quantized(labels: dict[str, LinearLabel], recipe: Recipe) -> None:
     """An artifact labelled W8A8 whose every layer is BF16 (a misspelt include glob, say) is never written."""
-    if any(lab.label == W8A8_DYNAMIC for lab in labels.values()):
+    if any(lab.label in QUANTIZED for lab in labels.values()):
         return
     included = next((m for m in labels if any(r.includes(m) for r in recipe.rules)), None)
     why = (f"every layer they match is kept BF16 (e.g. {shown_name(included)}: {labels[included].reason})"
@@ -181,12 +232,13 @@ def build_plan(src: SourceCheckpoint, recipe: Recipe, part_file_bytes: int, engi
     units: list[Unit] = []
     for m in modules:
         region = regions[m]
-        if labels[m].label == W8A8_DYNAMIC:
+        if labels[m].label in QUANTIZED:
             if region.entry.dtype not in ("BF16", "F16", "F32"):
                 raise CheckpointError(
                     f"{region.entry.file}: tensor {region.entry.name!r}: cannot quantize {region.entry.dtype}"
                 )
-            units.append(_quantized_unit(m, region))
+            make = _w4a8_unit if labels[m].label == W4A8_DYNAMIC else _quantized_unit
+            units.append(make(m, region))
         else:
             units.append(_float_unit(f"{m}.weight", region, (region.rows, region.cols)))
     for name, e in src.entries.items():
@@ -194,7 +246,7 @@ def build_plan(src: SourceCheckpoint, recipe: Recipe, part_file_bytes: int, engi
             continue
         module, param = split_param(name)
         region = Region(e, 0, e.shape[0] if e.shape else 1, e.numel // (e.shape[0] if e.shape and e.shape[0] else 1))
-        if param == "bias" and labels.get(module) and labels[module].label == W8A8_DYNAMIC:
+        if param == "bias" and labels.get(module) and labels[module].label in QUANTIZED:
             units.append(Unit([OutSpec(name, "F32", e.shape)], [FLOAT], region, "to_float32"))
         else:
             units.append(_float_unit(name, region, e.shape))

@@ -23,11 +23,20 @@ from wcmatch import fnmatch as wc_fnmatch
 from npuport.errors import RecipeError
 
 W8A8_DYNAMIC = "W8A8_DYNAMIC"
+W4A8_DYNAMIC = "W4A8_DYNAMIC"
 FLOAT = "FLOAT"
+QUANTIZED = (W8A8_DYNAMIC, W4A8_DYNAMIC)  # the labels of a layer npuport writes quantized
 
-_DYNAMIC_QCONFIG = {
-    "act": {"scope": "per_token", "dtype": "int8", "symmetric": True, "method": "minmax"},
-    "weight": {"scope": "per_channel", "dtype": "int8", "symmetric": True, "method": "minmax"},
+# The qconfig of each scheme npuport writes, as msModelSlim's recipes spell it.
+SCHEME_QCONFIGS = {
+    W8A8_DYNAMIC: {
+        "act": {"scope": "per_token", "dtype": "int8", "symmetric": True, "method": "minmax"},
+        "weight": {"scope": "per_channel", "dtype": "int8", "symmetric": True, "method": "minmax"},
+    },
+    W4A8_DYNAMIC: {  # int4 weights found by msModelSlim's ssz search (convert/w4a8.py), int8 activations per token
+        "act": {"scope": "per_token", "dtype": "int8", "symmetric": True, "method": "minmax"},
+        "weight": {"scope": "per_channel", "dtype": "int4", "symmetric": True, "method": "ssz"},
+    },
 }
 # Keys of `spec` that only matter for calibration-based schemes: W8A8_DYNAMIC needs no data.
 _CALIBRATION_KEYS = {"dataset", "default_text", "calib_dataset", "calib_cfg", "runner", "anti_cfg", "calib_save_params"}
@@ -119,6 +128,9 @@ class Recipe:
 def default_recipe_path(moe: bool) -> Path:
     name = "qwen3_5_moe_w8a8.yaml" if moe else "qwen3_5_dense_w8a8.yaml"
     return Path(str(resources.files("npuport.recipes") / name))
+
+
+W4A8_RECIPE = "qwen3_5_moe_w4a8"  # the shipped recipe `convert-qwen35 --w4a8` picks
 
 
 def shipped_recipes() -> dict[str, Path]:
@@ -321,24 +333,29 @@ def _patterns(value: object, where: str) -> tuple[str, ...]:
     raise RecipeError(f"{where}: include/exclude must be a glob pattern or a list of them, got {_short(value)}")
 
 
-def _check_qconfig(qconfig: object, where: str) -> None:
+def _scheme_of(qconfig: object, where: str) -> str:
+    """The scheme a linear_quant step's qconfig asks for (SCHEME_QCONFIGS); RecipeError naming the key otherwise."""
     if not isinstance(qconfig, dict):
         raise RecipeError(f"{where}: missing qconfig")
     _check_keys(qconfig, _QCONFIG_KEYS, f"{where}.qconfig")
-    for part, expected in _DYNAMIC_QCONFIG.items():
+    for part in _QCONFIG_KEYS:
         got = qconfig.get(part)
         if not isinstance(got, dict):
             raise RecipeError(f"{where}: qconfig.{part} missing")
         _check_keys(got, _QUANTIZER_KEYS, f"{where}.qconfig.{part}")
         if got.get("ext"):
             raise RecipeError(f"{where}: qconfig.{part}.ext = {_short(got['ext'])} is not implemented; npuport's "
-                              "minmax takes no extra parameters")
+                              "minmax and ssz take no extra parameters")
+    weight_dtype = qconfig["weight"].get("dtype", "int8")
+    scheme = W4A8_DYNAMIC if weight_dtype == "int4" else W8A8_DYNAMIC
+    for part, expected in SCHEME_QCONFIGS[scheme].items():
         for key, want in expected.items():
-            if got.get(key, want) != want:
+            if qconfig[part].get(key, want) != want:
                 raise RecipeError(
-                    f"{where}: qconfig.{part}.{key} = {_short(got.get(key))} is not implemented; npuport writes "
-                    f"W8A8_DYNAMIC only (act per_token int8 symmetric minmax, weight per_channel int8 symmetric minmax)"
-                )
+                    f"{where}: qconfig.{part}.{key} = {_short(qconfig[part].get(key))} is not implemented; npuport "
+                    "writes W8A8_DYNAMIC (act per_token int8 symmetric minmax, weight per_channel int8 symmetric "
+                    "minmax) and W4A8_DYNAMIC (the same act, weight per_channel int4 symmetric ssz)")
+    return scheme
 
 
 def _rules(process: list, where: str, source_name: str, allow_unsupported: bool,
@@ -359,9 +376,9 @@ def _rules(process: list, where: str, source_name: str, allow_unsupported: bool,
             configs = _list(step.get("configs"), f"{w}.configs")
             rules += _rules(configs, f"{w}.configs", source_name, allow_unsupported, notes)
         elif kind == "linear_quant":
-            _check_qconfig(step.get("qconfig"), w)
+            scheme = _scheme_of(step.get("qconfig"), w)
             rules.append(QuantRule(_patterns(step.get("include", ["*"]), w), _patterns(step.get("exclude"), w),
-                                   f"{source_name}: {w}"))
+                                   f"{source_name}: {w}", scheme))
         else:
             msg = f"{w}: process type {_short(kind)} is not implemented"
             if kind in _UNSUPPORTED_PROCESS:

@@ -3,9 +3,8 @@ msModelSlim's lab_practice/qwen3_5_moe folder, with our recipe of the same name 
 tests/golden/msmodelslim were written by msModelSlim itself on a CPU (make_golden.sh there; README.md says how).
 
 The MTP head aside: npuport keeps every mtp.* tensor BF16 and labelled FLOAT whatever a recipe says, while
-msModelSlim's dense recipes quantize it. And the W4A8 golden's int4 routed experts aside: npuport does not write
-W4A8 yet, so that case checks everything else against our qwen3_5_235b_w8a8 recipe (the same W8A8 layers), and
-the int4 experts against what README.md says msModelSlim writes for them.
+msModelSlim's dense recipes quantize it. The W4A8 golden's int4 routed experts (W4A8_DYNAMIC, msModelSlim's ssz
+search) are compared too, and also checked against what README.md says msModelSlim writes for them.
 
 Both sides are read with the safetensors library, not with npuport's own reader."""
 
@@ -29,7 +28,6 @@ GOLDEN = Path(__file__).parent / "golden" / "msmodelslim"
 RECIPES = Path(__file__).resolve().parents[1] / "recipes"
 GOLDEN_JSON = json.loads((GOLDEN / "golden.json").read_text(encoding="utf-8"))
 CASES = list(GOLDEN_JSON["cases"])
-W8A8_CASES = [c for c in CASES if not GOLDEN_JSON["cases"][c]["int4_experts"]]
 W4A8_CASES = [c for c in CASES if GOLDEN_JSON["cases"][c]["int4_experts"]]
 INDEX = "quant_model_weights.safetensors.index.json"
 DESCRIPTION = "quant_model_description.json"
@@ -91,10 +89,8 @@ def same_bytes(a: torch.Tensor, b: torch.Tensor) -> str | None:
 
 
 def compared(case: str, name: str) -> bool:
-    """Whether tensor `name` of `case` must equal msModelSlim's: all but mtp.* (and the W4A8 golden's int4 experts)."""
-    if name.startswith("mtp."):
-        return False
-    return not (GOLDEN_JSON["cases"][case]["int4_experts"] and ROUTED_EXPERT.match(name))
+    """Whether tensor `name` of `case` must equal msModelSlim's: all but mtp.*."""
+    return not name.startswith("mtp.")
 
 
 def shown(names) -> str:
@@ -279,7 +275,7 @@ def _rules(recipe: dict) -> list[tuple[dict, list, list]]:
              [p for p in s.get("exclude", []) if p != "mtp*"]) for s in flat(recipe["spec"]["process"])]
 
 
-@pytest.mark.parametrize("case", W8A8_CASES)
+@pytest.mark.parametrize("case", CASES)
 def test_our_recipe_asks_what_msmodelslims_asked(case):
     """Our recipe file quantizes what msModelSlim's (as recorded in its artifact) does, `mtp*` aside."""
     c = GOLDEN_JSON["cases"][case]
@@ -289,7 +285,7 @@ def test_our_recipe_asks_what_msmodelslims_asked(case):
     assert ours["spec"]["save"] == recorded["spec"]["save"]
 
 
-@pytest.mark.parametrize("case", W8A8_CASES)
+@pytest.mark.parametrize("case", CASES)
 def test_our_recipe_has_msmodelslims_apiversion(case):
     """msModelSlim picks its pipeline by `apiversion` (its Qwen3.5 recipes: the multimodal one), so that our recipe
     files run in msModelSlim as its own do."""
@@ -301,7 +297,7 @@ def test_our_recipe_has_msmodelslims_apiversion(case):
 
 
 # ---------------------------------------------------------------------------------------------------------------
-# The W4A8 golden's int4 experts: what msModelSlim writes (README.md), for the W4A8 work to come
+# The W4A8 golden's int4 experts: what msModelSlim writes (README.md)
 
 
 def _unpack_int4(packed: torch.Tensor) -> torch.Tensor:

@@ -14,7 +14,7 @@ import yaml
 from npuport import __version__
 from npuport.convert.engine_facts import facts_for
 from npuport.convert.qwen35_names import layer_kinds, split_param
-from npuport.convert.recipe import W8A8_DYNAMIC
+from npuport.convert.recipe import QUANTIZED, W4A8_DYNAMIC, W8A8_DYNAMIC
 from npuport.errors import NpuportError
 from npuport.jsonfile import JSONFieldError, JSONFields, read_json_object
 from npuport.release.results_table import HEADING as RESULTS_HEADING
@@ -145,15 +145,26 @@ def _forced_warning(problems: list[str]) -> list[str]:
         + [f"> - {markdown_text(p)}" for p in problems] + [""]
 
 
+# What the tensors of a quantized layer hold, by its label
+SCHEME_TENSORS = {
+    W8A8_DYNAMIC: "int8 weight, float32 per-channel scale, zero offset",
+    W4A8_DYNAMIC: "int4 weight packed two to a byte along the output channels, float32 per-channel scale, zero "
+                  "offset, and the scale_bias msModelSlim's NPU kernels read",
+}
+
+
 def _intro(facts: CardFacts) -> list[str]:
     scheme = facts.manifest.get("scheme", W8A8_DYNAMIC)
     return [f"# {facts.base_model}, {scheme} for Ascend NPUs", "",
             f"Release `{facts.release_name}`, packaged by npuport from the artifact `{facts.artifact_name}`.", "",
             f"{scheme} quantization of `{facts.base_model}` for Ascend NPUs, in msModelSlim's ascendV1 format: "
-            "int8 weights with one scale per output channel, int8 activations with one scale per token computed "
+            + ("int4 routed-expert weights (two to a byte, one scale per output channel, found by msModelSlim's ssz "
+               "search) and int8 weights elsewhere, " if scheme == W4A8_DYNAMIC else "int8 weights ")
+            + "with one scale per output channel, int8 activations with one scale per token computed "
             "at run time. The multi-token-prediction head (`mtp.*`) stays BF16, so speculative decoding with it "
             "works unchanged. vllm-ascend (`--quantization ascend`) and sglang (`--quantization modelslim`) load "
-            "the folder as is.", ""]
+            "msModelSlim's format; `npuport check` and the serving section below say which releases load this "
+            "folder.", ""]
 
 
 def _results(facts: CardFacts) -> list[str]:
@@ -197,20 +208,23 @@ def _binding(facts: CardFacts) -> str:
 
 def _quantization(facts: CardFacts) -> list[str]:
     desc = facts.description
-    quantized = [split_param(name)[0] for name, label in desc.items()
-                 if label == W8A8_DYNAMIC and split_param(name)[1] == "weight"]
+    by_scheme = {scheme: [split_param(name)[0] for name, label in desc.items()
+                          if label == scheme and split_param(name)[1] == "weight"] for scheme in QUANTIZED}
+    quantized = [module for modules in by_scheme.values() for module in modules]
     ignore = facts.manifest.get("ignore_list") or []
     by_reason: dict[str, list[str]] = {}
     for entry in ignore:
         by_reason.setdefault(entry["reason"], []).append(entry["module"])
     linear = set(quantized) | {e["module"] for e in ignore}
     others = [name for name, label in desc.items()
-              if isinstance(label, str) and label != W8A8_DYNAMIC and split_param(name)[0] not in linear]
-    lines = ["## What is quantized", "",
-             f"{len(quantized)} linear layers are {W8A8_DYNAMIC} (int8 weight, float32 per-channel scale, zero "
-             "offset):", ""]
-    lines += [f"- `{p}`" + (f" ({n} layers)" if n > 1 else "") for p, n in layer_kinds(quantized).items()]
-    lines += ["", "## Kept in BF16, and why", "",
+              if isinstance(label, str) and label not in QUANTIZED and split_param(name)[0] not in linear]
+    lines = ["## What is quantized", ""]
+    for scheme, modules in by_scheme.items():
+        if modules:
+            lines += [f"{len(modules)} linear layers are {scheme} ({SCHEME_TENSORS[scheme]}):", ""]
+            lines += [f"- `{p}`" + (f" ({n} layers)" if n > 1 else "") for p, n in layer_kinds(modules).items()]
+            lines.append("")
+    lines += ["## Kept in BF16, and why", "",
               f"{len(ignore)} linear layers are on the ignore-list (`npuport_manifest.json`), grouped by reason:", ""]
     rows = [[markdown_text(reason), str(len(mods)), _pattern_list(mods)] for reason, mods in by_reason.items()]
     lines += _table(["reason", "layers", "which"], rows)

@@ -47,7 +47,7 @@ CASES=(
     "qwen3_6_dense_w8a8  dense Qwen3.6-27B       qwen3_6_dense_w8a8.yaml"
     "qwen3_5_moe_w8a8    moe   Qwen3.5-35B-A3B   qwen3_5_moe_w8a8.yaml"
     "qwen3_5_235B_w8a8   moe   Qwen3.5-397B-A17B qwen3_5_235b_w8a8.yaml"
-    "qwen3.5_moe_w4a8    moe   Qwen3.5-397B-A17B qwen3_5_235b_w8a8.yaml"
+    "qwen3.5_moe_w4a8    moe   Qwen3.5-397B-A17B qwen3_5_moe_w4a8.yaml"
 )
 
 if [[ -e $WORK ]]; then
