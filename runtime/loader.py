@@ -1,6 +1,6 @@
-"""Load a Qwen3.5 model from a BF16 source folder or an npuport / msModelSlim ascendV1 W8A8 artifact:
-both name layouts, experts fused or per expert, every linear layer built by its label. A tensor that is
-missing, misshapen, of the wrong dtype or wrongly labelled fails the load with its name."""
+"""Load a Qwen3.5 model from a BF16 source folder or an npuport / msModelSlim ascendV1 artifact (W8A8, or W4A8 with
+W4A8_DYNAMIC routed experts): both name layouts, experts fused or per expert, every linear layer built by its
+label. A tensor that is missing, misshapen, of the wrong dtype or wrongly labelled fails the load with its name."""
 
 from __future__ import annotations
 
@@ -13,11 +13,13 @@ from safetensors import safe_open
 
 from npuport.convert.ascend_writer import DESCRIPTION_NAME
 from npuport.convert.ascend_writer import INDEX_NAME as ARTIFACT_INDEX_NAME
+from npuport.convert.check import logical_shapes
 from npuport.convert.qwen35_names import MTP_PREFIX, text_prefix
-from npuport.convert.recipe import FLOAT, W8A8_DYNAMIC
+from npuport.convert.recipe import FLOAT, W4A8_DYNAMIC, W8A8_DYNAMIC
 from npuport.convert.safetensors_io import TensorEntry
 from npuport.convert.source import INDEX_NAME as SOURCE_INDEX_NAME
 from npuport.convert.source import check_against_config, read_tensors, read_weight_map
+from npuport.convert.w4a8 import scale_bias, scale_bias_groups, unpack_int4
 from npuport.devices import pick_device
 from npuport.errors import ArtifactError, CheckpointError, NpuportError
 from npuport.jsonfile import read_json_object
@@ -29,7 +31,11 @@ from npuport.runtime.lockstep import mirrored_load
 from npuport.runtime.model import Experts, Qwen35
 from npuport.runtime.parallel import Parallel, Part, weight_part
 
-LABELS = (FLOAT, W8A8_DYNAMIC)
+LABELS = (FLOAT, W8A8_DYNAMIC, W4A8_DYNAMIC)
+# scale_bias is checked against its definition (convert/w4a8.py) computed in float64: a stored value may differ by
+# float32 summation error, at most this fraction of the sum of the terms' magnitudes (K * 2**-24 stays below it for
+# any K an engine takes); a wrong packing, scale or K slicing moves it by whole terms.
+SCALE_BIAS_RTOL = 1e-3
 _MTP_LAYER = re.compile(r"^mtp\.layers\.(\d+)\.")
 
 
@@ -166,6 +172,8 @@ class _Loader:
             return module, {"weight": self.float_tensor(name + ".weight", shape)}
         if name == "lm_head":
             raise self.ckpt.error(f"tensor {ck}.weight is labelled {W8A8_DYNAMIC}; lm_head must be {FLOAT}")
+        if self.ckpt.label(ck + ".weight") == W4A8_DYNAMIC:
+            raise self.ckpt.error(f"tensor {ck}.weight is labelled {W4A8_DYNAMIC}, which is for routed experts only")
         weight, scale = self.w8a8(ck, self.shape_of(name + ".weight", shape), self.part(name + ".weight"),
                                   self.part(name + ".weight_scale"))
         with torch.device("meta"):
@@ -183,11 +191,42 @@ class _Loader:
             raise self.ckpt.error(f"tensor {ck}.weight_offset is not all zeros (the scheme is symmetric)")
         return weight, scale
 
+    def w4a8(self, ck: str, shape: tuple[int, int]) -> tuple[torch.Tensor, torch.Tensor]:
+        """The int4 values as int8 [N, K] and the scales [N, 1] of W4A8_DYNAMIC expert projection `ck` (checkpoint
+        name, no `.weight`; `shape` its logical [N, K]), unpacked from int8 [N/2, K] by convert/w4a8.py's
+        unpack_int4, so that the int8 expert path runs them: x_q int8 per token times the int4 values as signed
+        integers, accumulated exactly, rescaled by s_x * s_w - what the engines' int4 kernels amount to
+        (kernels/fused_moe/naive.py says how). scale_bias is read and checked against its definition, 8 x the sum
+        of q * s_w over each K slice (convert/w4a8.py's scale_bias), and then not used: it is the term the engines'
+        kernels add back for the way they split the int8 activations into int4 halves, which an exact int8 x int8
+        product does not need; a value that disagrees would make them compute something else than this runtime,
+        so it fails the load."""
+        n, k = shape
+        if n % 2:
+            raise self.ckpt.error(f"tensor {ck}.weight: a W4A8_DYNAMIC layer needs an even row count, not {n}")
+        q = unpack_int4(self.ckpt.read(ck + ".weight", (n // 2, k), "int8"))
+        scale = self.ckpt.read(ck + ".weight_scale", (n, 1), "float").float()
+        offset = self.ckpt.read(ck + ".weight_offset", (n, 1), "float")
+        if bool(offset.ne(0).any()):
+            raise self.ckpt.error(f"tensor {ck}.weight_offset is not all zeros (the scheme is symmetric)")
+        groups = scale_bias_groups(ck)
+        stored = self.ckpt.read(ck + ".scale_bias", (n, groups), "float").double()
+        expected = scale_bias(q, scale.double(), groups)
+        magnitude = scale_bias(q.abs(), scale.double().abs(), groups)
+        if not bool(((stored - expected).abs() <= SCALE_BIAS_RTOL * magnitude).all()):
+            worst = int((stored - expected).abs().flatten().argmax())
+            raise self.ckpt.error(
+                f"tensor {ck}.scale_bias disagrees with 8 x the sum of the unpacked int4 weight x weight_scale over "
+                f"each of its {groups} K slice(s): row {worst // groups} column {worst % groups} holds "
+                f"{stored.flatten()[worst].item():.6g}, expected {expected.flatten()[worst].item():.6g}")
+        return q, scale
+
     def experts(self, name: str, module: Experts) -> tuple[Experts, dict[str, torch.Tensor]]:
         """The stacked experts of MoE layer `name` (`...mlp.experts`), filled one expert at a time straight into
         their place on the device (never a second copy of the layer): from fused `gate_up_proj [E, 2I, H]` /
-        `down_proj [E, H, I]` (BF16 sources) or per-expert `E.{gate,up,down}_proj` tensors, BF16 or W8A8. On
-        several ranks, only this rank's experts (module holds their count; ExpertShard says which)."""
+        `down_proj [E, H, I]` (BF16 sources) or per-expert `E.{gate,up,down}_proj` tensors, BF16, W8A8 or W4A8 (its
+        int4 values unpacked to int8 here: the int8 experts run them, see w4a8). On several ranks, only this rank's
+        experts (module holds their count; ExpertShard says which)."""
         ck = _checkpoint_name(name, self.prefix)
         e_count, two_i, hidden = module.gate_up_proj.shape
         global_ids = ExpertShard(self.n_experts, self.parallel.world).ids(self.parallel.rank)
@@ -197,7 +236,8 @@ class _Loader:
                   if f"{ck}.{e}.{p}.weight" in self.ckpt}
         if len(labels) > 1:
             raise self.ckpt.error(f"the experts of {ck} carry different labels {sorted(labels)}; one layer, one label")
-        quantized = labels == {W8A8_DYNAMIC}
+        quantized = labels in ({W8A8_DYNAMIC}, {W4A8_DYNAMIC})
+        read_quantized = self.w4a8 if labels == {W4A8_DYNAMIC} else self.w8a8
         with torch.device("meta"):
             built = Experts(e_count, hidden, i, quantized)
         out = {n: torch.empty(b.shape, dtype=b.dtype if quantized else self.dtype, device=self.device)
@@ -211,7 +251,7 @@ class _Loader:
                 continue
             for proj, shape in per_expert.items():
                 target = "down_proj" if proj == "down_proj" else "gate_up_proj"
-                weight, scale = self.w8a8(f"{ck}.{g}.{proj}", shape)
+                weight, scale = read_quantized(f"{ck}.{g}.{proj}", shape)
                 out[target][e, rows[proj]].copy_(weight)
                 out[f"{target}_scale"][e, rows[proj]].copy_(scale.float().reshape(-1))
         return built, out
@@ -238,12 +278,12 @@ class _Loader:
 @mirrored_load
 def load_model(path: Path | str, device: torch.device | str | None = None,
                dtype: torch.dtype = torch.bfloat16, parallel: Parallel | None = None) -> Qwen35:
-    """The model in folder `path` (BF16 source or W8A8 artifact), with its MTP head when it has one, on
+    """The model in folder `path` (BF16 source, W8A8 or W4A8 artifact), with its MTP head when it has one, on
     `device` (default: pick_device()) with float tensors in `dtype`; with `parallel`, this rank's part of it
     (runtime/parallel.py), no other part ever read."""
     ckpt = Checkpoint(Path(path))
     config = load_config(ckpt.path, ckpt.blobs)
-    check_against_config(ckpt.path, config, {name: e.shape for name, e in ckpt.entries.items()},
+    check_against_config(ckpt.path, config, logical_shapes(ckpt.entries, ckpt.labels or {}),
                          ArtifactError if ckpt.is_artifact else CheckpointError)
     mtp_layers = {int(m.group(1)) for name in ckpt.files if (m := _MTP_LAYER.match(name))}
     if "mtp.fc.weight" in ckpt and not config.mtp_num_hidden_layers:

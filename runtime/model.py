@@ -61,8 +61,9 @@ class MLP(nn.Module):
 
 class Experts(nn.Module):
     """The routed experts of one MoE layer, stacked (kernels.fused_moe.StackedExperts): gate_up_proj [E, 2I, H]
-    (gate rows, then up rows) and down_proj [E, H, I] in the model's float dtype, or - W8A8 - int8 with
-    per-channel scales gate_up_proj_scale [E, 2I] and down_proj_scale [E, H] fp32."""
+    (gate rows, then up rows) and down_proj [E, H, I] in the model's float dtype, or - W8A8, and W4A8 with its int4
+    values unpacked to int8 by the loader - int8 with per-channel scales gate_up_proj_scale [E, 2I] and
+    down_proj_scale [E, H] fp32."""
 
     def __init__(self, num_experts: int, hidden: int, intermediate: int, quantized: bool = False) -> None:
         super().__init__()

@@ -1,5 +1,21 @@
 """The MoE experts in plain PyTorch, one expert at a time: the reference the grouped kernels are tested
-against, and what the runtime runs where Triton does not (CPU, float64)."""
+against, and what the runtime runs where Triton does not (CPU, float64).
+
+W4A8_DYNAMIC experts (msModelSlim's int4 weights q in [-8, 7], per-channel scale s_w, int8 tokens per token) come
+here as int8 experts: the loader unpacks the int4 pairs to int8 values, so a projection is y[n] = s_x * s_w[n] *
+sum_k x_q[k] * q[n, k], summed exactly in int32 - what the engines' W4A8 MoE methods amount to. vllm-ascend
+(quantization/methods/w4a8.py, ops/fused_moe/moe_mlp.py) and sglang (hardware_backend/npu/quantization: its W4A8 MoE
+methods) keep the weight as int4 (two values a byte, viewed as int32 for the operator), turn the float32 scale into
+the int64 form the grouped matmul takes, sum scale_bias over the tensor parallel slices a rank holds, and call
+torch-npu's grouped matmul with int8 tokens, the per-token scales and scale_bias as its bias. scale_bias = 8 *
+s_w[n] * sum_k q[n, k] does not depend on the tokens. Our reading (torch-npu documents no formula for it): it is the
+term an int8 x int4 kernel must add back when it computes with each int8 activation shifted by 8 - as when an int8
+value is cut into two int4 halves, its low half moved from [0, 15] to [-8, 7] (x_q = 16 hi + (lo - 8) + 8) so that
+both run on int4 x int4 units - and it is kept per K slice (16 for down_proj) because each rank of a row-parallel
+projection adds its own slice's. With it, their result is the same s_x * s_w * sum_k x_q q, up to float32 rounding;
+an exact int8 product has nothing to add back (the loader checks scale_bias against its definition and leaves it).
+sglang's newer method passes scale_bias only with its activation-clip option. Here the int4 values take int8 bytes:
+a kernel that reads them as int4 from memory is a later step."""
 
 from __future__ import annotations
 
