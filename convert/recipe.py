@@ -143,7 +143,7 @@ def recipe_path_for(value: str) -> Path:
     """`--recipe VALUE`: a recipe file, or the name of a shipped recipe (`qwen3_6_27b_w8a8`); RecipeError naming
     both readings when it is neither."""
     path = Path(value)
-    if path.is_file():
+    if path.exists() or path.is_symlink():  # whatever it is: load_recipe says what is wrong with it
         return path
     shipped = shipped_recipes()
     if value in shipped or value.removesuffix(".yaml") in shipped:

@@ -586,8 +586,17 @@ def validate_cmd(artifact: Path | None, gsm8k: bool, protocol: str, data: Path |
               help="Requests served at once, counted once a request has arrived whole (with the API key); more are "
                    "answered 503.")
 @click.option("--max-pending-connections", type=click.IntRange(min=1), default=256, show_default=True,
-              help="Connections still sending their requests at once (each within the timeouts above); more are "
-                   "answered 503.")
+              help="Connections of all clients still sending their requests at once (each within the timeouts "
+                   "above; one still sending its request line and headers holds no thread). One more takes the "
+                   "place of the oldest of these, of the client address with the most (answered 503), else gets 503.")
+@click.option("--max-client-connections", type=click.IntRange(min=1), default=64, show_default=True,
+              help="Connections one client address may have open at once, whatever they are doing. One more takes "
+                   "the place of that address's oldest connection still sending its request line and headers "
+                   "(answered 503), else gets 503: a client flooding the server displaces only its own.")
+@click.option("--max-client-requests", type=click.IntRange(min=1), default=32, show_default=True,
+              help="Requests of one client address served at once (waiting for the model or generating); more are "
+                   "answered 429. As many as --max-connections by default (a benchmark from one machine may use "
+                   "every slot); lower it where clients share the server.")
 @click.option("--allow-client-chat-template", is_flag=True, default=False,
               help="Let a chat request bring its own chat template (chat_template). A template is code the server "
                    "runs, with no bound on the memory it takes: only for clients trusted with the machine.")
@@ -607,11 +616,13 @@ def validate_cmd(artifact: Path | None, gsm8k: bool, protocol: str, data: Path |
 def serve_cmd(model: Path, port: int, host: str, served_model_name: str | None, mtp: int, max_batch_size: int,
               batch_invariant: bool | None, max_tokens_limit: int, max_prompt_tokens: int, header_timeout_s: float,
               request_timeout_s: float, max_connections: int, max_pending_connections: int,
-              allow_client_chat_template: bool, api_key: str | None, device: str | None, devices: int, dtype: str,
-              dispatch: str | None, shutdown_timeout_s: float, quiet: bool) -> None:
+              max_client_connections: int, max_client_requests: int, allow_client_chat_template: bool,
+              api_key: str | None, device: str | None, devices: int, dtype: str, dispatch: str | None,
+              shutdown_timeout_s: float, quiet: bool) -> None:
     """Serve MODEL (a W8A8 artifact or BF16 source) on the built-in runtime as an OpenAI-compatible endpoint:
     POST /v1/completions and /v1/chat/completions (logprobs, echo, n, stream; prompts as text or token ids; chat
-    through the model's own template), GET /v1/models and /health. Requests in flight are batched together: one
+    through the model's own template; vLLM's ignore_eos, min_tokens, stop_token_ids, include_stop_str_in_output),
+    GET /v1/models, /health and /metrics (Prometheus' text format). Requests in flight are batched together: one
     that arrives while a batch runs joins the next one."""
     import functools
 
@@ -628,7 +639,8 @@ def serve_cmd(model: Path, port: int, host: str, served_model_name: str | None, 
     limits = ServeLimits(max_tokens=max_tokens_limit, request_timeout_s=request_timeout_s,
                          max_connections=max_connections, max_prompt_tokens=max_prompt_tokens,
                          header_timeout_s=header_timeout_s, max_pending_connections=max_pending_connections,
-                         allow_client_chat_template=allow_client_chat_template)
+                         allow_client_chat_template=allow_client_chat_template,
+                         max_client_connections=max_client_connections, max_client_requests=max_client_requests)
     serve = functools.partial(
         serve_model, model, host=host, port=port, served_model=served_model_name, device=device, dtype=dtype,
         mtp=mtp, dispatch=dispatch, max_batch_size=max_batch_size, batch_invariant=batch_invariant, limits=limits,

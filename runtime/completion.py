@@ -69,3 +69,20 @@ def cut_at_stop(text: str, stop: Sequence[str]) -> str:
 def holds_stop(text: str, stop: Sequence[str]) -> bool:
     """Whether `text` holds any of the stop strings."""
     return any(s in text for s in stop)
+
+
+def stop_at(text: str, stop: Sequence[str], after: int = 0) -> tuple[int, str] | None:
+    """Where the earliest stop string in `text` that ends past its first `after` characters begins, and which it
+    is; None when there is none."""
+    found = None
+    for s in stop:
+        i = text.find(s, max(0, after - len(s) + 1))
+        if i != -1 and (found is None or i < found[0]):
+            found = i, s
+    return found
+
+
+def stop_token_end(tokens: Sequence[int], stop_tokens: frozenset[int], min_tokens: int = 0) -> int | None:
+    """How many of `tokens` a row keeps when a stop token ends it: up to and with its first stop token that has at
+    least min_tokens tokens before it; None when none does."""
+    return next((i + 1 for i in range(min_tokens, len(tokens)) if tokens[i] in stop_tokens), None)

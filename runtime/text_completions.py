@@ -13,7 +13,7 @@ from pathlib import Path
 import torch
 
 from npuport.errors import NpuportError
-from npuport.runtime.completion import LENGTH, STOP, Completion, CompletionBatch, cut_at_stop, holds_stop
+from npuport.runtime.completion import LENGTH, STOP, Completion, CompletionBatch, stop_at, stop_token_end
 from npuport.runtime.generate import AcceptanceStats, TokenSink, generate
 from npuport.runtime.loader import load_model
 from npuport.runtime.model import Qwen35
@@ -26,25 +26,34 @@ Decode = Callable[[Sequence[int]], str]
 Interruption = Callable[[int, int], bool]  # (row, tokens this call made for it) -> end it now, unfinished
 
 
-def finish_completion(tokens: Sequence[int], decode: Decode, stop: Sequence[str],
-                      stop_tokens: frozenset[int]) -> Completion:
+def finish_completion(tokens: Sequence[int], decode: Decode, stop: Sequence[str], stop_tokens: frozenset[int],
+                      min_tokens: int = 0, include_stop: bool = False) -> Completion:
     """The completion a server that checks stop strings after every token returns for the generated `tokens`:
-    it stops at the fewest tokens whose decoded text holds a stop string and answers that text cut before
-    its earliest stop string (finish "stop"); without a stop string, all of the text, finish "stop" when the
-    last token is a stop token (EOS) and "length" otherwise. `completion_tokens` counts the tokens it
-    generated. Found by bisection: the text of a prefix of the tokens is a prefix of the text."""
-    text = decode(tokens)
-    if not holds_stop(text, stop):
-        reason = STOP if tokens and tokens[-1] in stop_tokens else LENGTH
-        return Completion(text, len(tokens), reason)
-    low, high = 1, len(tokens)  # the fewest tokens holding a stop string lie in [low, high]
+    they end at their first stop token past the first min_tokens (finish "stop"; the token counts, its text is
+    not in the answer unless include_stop), else at their end ("length"); and at the fewest tokens whose decoded
+    text holds a stop string ending past the text of the first min_tokens tokens, the answer then cut before that
+    string (after it with include_stop; finish "stop"). `completion_tokens` counts the tokens it generated. Found
+    by bisection: the text of a prefix of the tokens is a prefix of the text. As vLLM's `min_tokens`,
+    `include_stop_str_in_output` and `stop_token_ids` (with the model's EOS ids, unless `ignore_eos`) read."""
+    tokens = list(tokens)
+    end = stop_token_end(tokens, stop_tokens, min_tokens)
+    if end is not None:
+        tokens = tokens[:end]
+    shown = tokens if end is None or include_stop else tokens[:-1]
+    after = len(decode(shown[:min_tokens])) if min_tokens and stop else 0
+    text = decode(shown)
+    if stop_at(text, stop, after) is None:
+        return Completion(text, len(tokens), LENGTH if end is None else STOP)
+    low, high = 1, len(shown)  # the fewest tokens holding a stop string lie in [low, high]
     while low < high:
         mid = (low + high) // 2
-        if holds_stop(decode(tokens[:mid]), stop):
+        if stop_at(decode(shown[:mid]), stop, after) is not None:
             high = mid
         else:
             low = mid + 1
-    return Completion(cut_at_stop(decode(tokens[:low]), stop), low, STOP)
+    text = decode(shown[:low])
+    i, s = stop_at(text, stop, after)
+    return Completion(text[:i + len(s)] if include_stop else text[:i], low, STOP)
 
 
 def only_reads(tokenizer) -> None:
@@ -73,12 +82,16 @@ def merge_acceptance(parts: Sequence[AcceptanceStats]) -> AcceptanceStats | None
 class TextRequest:
     """One row of a generation: its prompt's token ids, the most tokens it may make, its stop strings, and the
     tokens an earlier call made for it (`generated`: a row resumed after an interruption), which follow the prompt,
-    count against max_tokens and begin its answer."""
+    count against max_tokens and begin its answer; and what ends it beyond those (finish_completion)."""
 
     prompt_ids: list[int]
     max_tokens: int
     stop: tuple[str, ...] = ()
     generated: tuple[int, ...] = ()
+    stop_token_ids: tuple[int, ...] = ()  # end it as the model's EOS ids do (vLLM's stop_token_ids)
+    ignore_eos: bool = False  # the model's EOS ids do not end it
+    min_tokens: int = 0  # no stop token or stop string ends it before it has this many tokens
+    include_stop: bool = False  # its answer keeps the stop string (or stop token's text) that ended it
 
 
 @dataclass(frozen=True)
@@ -170,11 +183,23 @@ class RuntimeCompletions:
         resumes later)."""
         results: list[TextResult | None] = [None] * len(requests)
         stopped: set[int] = set()
+        # generate ends a row at the stop tokens every row of the call stops at from its first token; a row with
+        # stop tokens of its own (or a min_tokens still ahead) is ended by its stop check, and cut by finish
+        own = [self.stop_set(r) for r in requests]
+        early = [r.min_tokens > len(r.generated) for r in requests]
+        shared = frozenset.intersection(*[frozenset() if e else s for s, e in zip(own, early, strict=True)]) \
+            if requests else frozenset()
+        special = {row for row in range(len(requests)) if early[row] or own[row] != shared}
 
         def should_stop(row: int, tokens: list[int]) -> bool:
             request = requests[row]
-            if request.stop and holds_stop(self.decode([*request.generated, *tokens]), request.stop):
+            every = [*request.generated, *tokens]
+            if row in special and stop_token_end(every, own[row], request.min_tokens) is not None:
                 return True
+            if request.stop and len(every) > request.min_tokens:
+                after = len(self.decode(every[:request.min_tokens])) if request.min_tokens else 0
+                if stop_at(self.decode(every), request.stop, after) is not None:
+                    return True
             if interrupted is not None and interrupted(row, len(tokens)):
                 stopped.add(row)
                 return True
@@ -187,17 +212,23 @@ class RuntimeCompletions:
             if on_done is not None:
                 on_done(row, results[row])
 
-        checks = any(r.stop for r in requests) or interrupted is not None
+        checks = any(r.stop for r in requests) or interrupted is not None or bool(special)
         stats = generate(self.model, [[*r.prompt_ids, *r.generated] for r in requests],
                          [r.max_tokens - len(r.generated) for r in requests], self.options, sampling=sampling,
-                         stop_tokens=self.stop_tokens,
+                         stop_tokens=shared,
                          should_stop=should_stop if checks else None, on_tokens=on_tokens,
                          on_finish=on_finish).stats
         return results, stats
 
+    def stop_set(self, request: TextRequest) -> frozenset[int]:
+        """The token ids that end `request` (past its min_tokens): the model's EOS ids unless it ignores them, and
+        its own stop_token_ids."""
+        return (frozenset() if request.ignore_eos else self.stop_tokens) | frozenset(request.stop_token_ids)
+
     def finish(self, request: TextRequest, tokens: list[int]) -> TextResult:
         """The answer to `request` that generated `tokens` (all of them, from its first)."""
-        return TextResult(finish_completion(tokens, self.decode, request.stop, self.stop_tokens), tokens)
+        return TextResult(finish_completion(tokens, self.decode, request.stop, self.stop_set(request),
+                                            request.min_tokens, request.include_stop), tokens)
 
     def complete(self, prompts: Sequence[str], *, max_tokens: int, stop: Sequence[str] = (),
                  sampling: SamplingParams | None = None,

@@ -117,7 +117,9 @@ def drip(sockets: list[socket.socket], stop: threading.Event) -> None:
 def test_idle_and_dripping_connections_leave_room_for_an_authenticated_request(runner):
     """32 connections that send nothing and 32 that send their headers a byte a second, then a real request with
     the key: it is answered while all 64 are still connected and unanswered."""
-    limits = ServeLimits(header_timeout_s=60.0)  # the crowd stays for the whole test, however slow the machine
+    # the crowd stays for the whole test, however slow the machine; it shares the request's address, whose limit
+    # of open connections would otherwise have the request take the place of the oldest idle one
+    limits = ServeLimits(header_timeout_s=60.0, max_client_connections=128)
     with running(make_server(runner, "tiny", limits=limits, api_key=KEY)) as url:
         idle = [socket.create_connection(address(url), timeout=10) for _ in range(32)]
         dripping = [socket.create_connection(address(url), timeout=10) for _ in range(32)]
@@ -280,9 +282,11 @@ def test_the_serve_commands_defaults_are_the_serve_limits_defaults():
     limits = ServeLimits()
     assert (options["max_tokens_limit"], options["max_prompt_tokens"], options["header_timeout_s"],
             options["request_timeout_s"], options["max_connections"], options["max_pending_connections"],
-            options["allow_client_chat_template"]) == (
+            options["allow_client_chat_template"], options["max_client_connections"],
+            options["max_client_requests"]) == (
         limits.max_tokens, limits.max_prompt_tokens, limits.header_timeout_s, limits.request_timeout_s,
-        limits.max_connections, limits.max_pending_connections, limits.allow_client_chat_template)
+        limits.max_connections, limits.max_pending_connections, limits.allow_client_chat_template,
+        limits.max_client_connections, limits.max_client_requests)
 
 
 def test_serve_options_reach_the_server(tiny_artifacts):

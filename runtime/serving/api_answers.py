@@ -10,7 +10,7 @@ import uuid
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
-from npuport.runtime.completion import TOKEN_ID_PREFIX, cut_at_stop, holds_stop
+from npuport.runtime.completion import TOKEN_ID_PREFIX, stop_at, stop_token_end
 from npuport.runtime.token_logprobs import PositionLogprobs
 
 TokenText = Callable[[int], str]  # a token id -> its text as the API shows a token
@@ -30,7 +30,9 @@ def completion_logprobs(positions: Sequence[PositionLogprobs], texter: TokenText
         offset += len(text)
         tokens.append(text)
         token_logprobs.append(position.logprob)
-        top.append({texter(t): lp for t, lp in position.top})
+        # logprobs=0 (no alternatives): the chosen token's own entry, as vLLM answers (and the API's "up to
+        # logprobs + 1" allows)
+        top.append({texter(t): lp for t, lp in position.top or [(position.token, position.logprob)]})
     return {"tokens": tokens, "token_logprobs": token_logprobs, "top_logprobs": top, "text_offset": offsets}
 
 
@@ -135,14 +137,20 @@ def models_object(served_model: str) -> dict:
 
 class StreamedText:
     """The text of one streamed choice as its tokens come: each `add` gives the part that may be sent now - never
-    what could still turn out to be part of a stop string (the last len(longest stop) - 1 characters wait) nor a
-    character whose bytes have not all come - and `finish` the rest of the final answer, so that the chunks add
-    up to the answer a request without stream gets."""
+    what could still turn out to be part of a stop string (the last len(longest stop) - 1 characters wait), nor a
+    character whose bytes have not all come, nor anything from the row's first stop token past its min_tokens on
+    (`stop_tokens`: the tokens past it are ones the row made before its stop check caught it) - and `finish` the
+    rest of the final answer, so that the chunks add up to the answer a request without stream gets (the rules
+    of finish_completion: a stop string counts once it ends past the text of the first min_tokens tokens, and
+    with include_stop the answer keeps it, and the stop token's text)."""
 
-    def __init__(self, decode: Callable[[list[int]], str], stop: Sequence[str]) -> None:
+    def __init__(self, decode: Callable[[list[int]], str], stop: Sequence[str],
+                 stop_tokens: frozenset[int] = frozenset(), min_tokens: int = 0, include_stop: bool = False) -> None:
         self.decode, self.stop = decode, list(stop)
+        self.stop_tokens, self.min_tokens, self.include_stop = stop_tokens, min_tokens, include_stop
         self.hold = max((len(s) for s in self.stop), default=1) - 1
         self.tokens: list[int] = []
+        self.ended = False  # a stop token came: nothing after it counts
         self.sent = ""
 
     def _send(self, safe: str) -> str:
@@ -152,10 +160,19 @@ class StreamedText:
         return delta
 
     def add(self, new: Sequence[int]) -> str:
+        if self.ended:
+            return ""
         self.tokens += new
-        text = self.decode(self.tokens)
-        if holds_stop(text, self.stop):
-            safe = cut_at_stop(text, self.stop)
+        end = stop_token_end(self.tokens, self.stop_tokens, self.min_tokens)
+        if end is not None:
+            self.tokens, self.ended = self.tokens[:end], True
+        shown = self.tokens[:-1] if self.ended and not self.include_stop else self.tokens
+        text = self.decode(shown)
+        after = len(self.decode(shown[:self.min_tokens])) if self.min_tokens and self.stop else 0
+        found = stop_at(text, self.stop, after)
+        if found is not None:
+            i, s = found
+            safe = text[:i + len(s)] if self.include_stop else text[:i]
         else:
             safe = text[:len(text) - self.hold] if self.hold else text
         return self._send(safe.rstrip("\ufffd"))

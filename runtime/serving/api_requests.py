@@ -7,6 +7,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import math
+import re
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from http import HTTPStatus
@@ -21,6 +22,7 @@ MAX_PROMPTS = 128  # prompts in one request's list: each costs a tokenization an
 MAX_CHOICES = 16  # `n`: completions per prompt (each a row of the batch)
 MAX_ROWS = 128  # prompts x n of one request
 MAX_STOP_STRINGS = 16  # each is searched for in the text every few tokens
+MAX_STOP_TOKEN_IDS = 1024  # vLLM's stop_token_ids: a set looked up once per token
 MAX_MESSAGES = 256
 MAX_TEMPLATE_KWARGS_CHARS = 64 * 1024  # of chat_template_kwargs as JSON: a template may write a value per message
 # apply_chat_template's own arguments (and the messages it renders): the server sets them; from a request they fail
@@ -40,8 +42,7 @@ NEUTRAL_VALUES: dict[str, tuple[Any, ...]] = {
     "tools": ([],), "tool_choice": ("none",), "parallel_tool_calls": (True, False), "functions": ([],),
     "function_call": ("none",), "response_format": ({"type": "text"},), "suffix": ("",), "best_of": (1,),
     "audio": (), "modalities": (["text"],), "prediction": (), "reasoning_effort": (), "web_search_options": (),
-    "top_k": (-1, 0), "min_p": (0,), "min_tokens": (0,), "ignore_eos": (False,), "stop_token_ids": ([],),
-    "use_beam_search": (False,), "length_penalty": (1,), "include_stop_str_in_output": (False,),
+    "top_k": (-1, 0), "min_p": (0,), "use_beam_search": (False,), "length_penalty": (1,),
     "skip_special_tokens": (True,), "guided_json": (), "guided_regex": (), "guided_choice": (), "guided_grammar": (),
     "structured_outputs": (), "logits_processors": ()}
 
@@ -66,6 +67,47 @@ def error_body(status: HTTPStatus, message: str, param: str | None = None, code:
 def shown(text: str) -> str:
     """A client's own text, cut short, for quoting back in an error."""
     return text if len(text) <= SHOWN_CHARS else text[:SHOWN_CHARS] + "..."
+
+
+SURROGATE_ESCAPE = re.compile(rb"\\u[dD][89a-fA-F]")  # how a JSON body spells a UTF-16 surrogate (\ud800-\udfff)
+
+
+def _lone_surrogate(value: Any, path: str) -> str | None:
+    """The path of the first string (or object key) in `value` holding a lone surrogate, None if none does."""
+    if isinstance(value, str):
+        try:
+            value.encode("utf-8")
+        except UnicodeEncodeError:
+            return path or "body"
+        return None
+    if isinstance(value, dict):
+        for key, item in value.items():
+            inner = f"{path}.{key}" if path else str(key)
+            if _lone_surrogate(key, inner) is not None:
+                return inner
+            if (found := _lone_surrogate(item, inner)) is not None:
+                return found
+    elif isinstance(value, list):
+        for i, item in enumerate(value):
+            if isinstance(item, (str, list, dict)) and (found := _lone_surrogate(item, f"{path}[{i}]")):
+                return found
+    return None
+
+
+def check_text(raw: bytes | bytearray, body: Any) -> None:
+    """Refuse a body whose strings hold a lone surrogate (JSON's "\\ud800" with no pair): no text the tokenizer
+    reads, nor UTF-8 the answer could be written in. Refused with a 400 naming the field (its path); the body is
+    only walked when its bytes spell a surrogate at all."""
+    if not SURROGATE_ESCAPE.search(raw):
+        return
+    try:
+        path = _lone_surrogate(body, "")
+    except RecursionError:
+        raise RequestError(HTTPStatus.BAD_REQUEST, "the body is nested too deep") from None
+    if path is not None:
+        field = shown(path)
+        raise RequestError(HTTPStatus.BAD_REQUEST, f"'{field}' holds a lone surrogate (an unpaired \\ud800-\\udfff "
+                           "escape), which is not text", field, "invalid_value")
 
 
 def refuse(name: str, message: str) -> RequestError:
@@ -114,6 +156,12 @@ class Generation:
     tokens_as_ids: bool = False  # vLLM's return_tokens_as_token_ids: tokens spelled `token_id:N`
     max_prompt_tokens: int | None = None
     to_context: bool = False
+    # vLLM's sampling extras, as the serving benchmarks send them: stop tokens of the request's own, the model's EOS
+    # ids not ending it, the fewest tokens before any stop ends it, the stop string kept in the text
+    stop_token_ids: tuple[int, ...] = ()
+    ignore_eos: bool = False
+    min_tokens: int = 0
+    include_stop: bool = False
 
 
 @dataclass(frozen=True)
@@ -235,9 +283,16 @@ def _generation(body: dict[str, Any], max_tokens_limit: int, max_prompt_tokens: 
     options = _field(body, "stream_options", (dict,), {})
     if options and not stream:
         raise refuse("stream_options", "'stream_options' is only for stream: true")
+    stop_token_ids = _field(body, "stop_token_ids", (list,), [])
+    if len(stop_token_ids) > MAX_STOP_TOKEN_IDS or not all(
+            isinstance(t, int) and not isinstance(t, bool) and t >= 0 for t in stop_token_ids):
+        raise refuse("stop_token_ids", f"'stop_token_ids' must be a list of at most {MAX_STOP_TOKEN_IDS} token ids "
+                                       "(integers >= 0)")
+    min_tokens = _bounded_int(body, "min_tokens", 0, 0, max_tokens)
     return Generation(max_tokens, list(stop), SamplingParams(temperature, top_p, seed), n, logprobs, stream,
                       bool(options.get("include_usage")), _field(body, "return_tokens_as_token_ids", (bool,), False),
-                      max_prompt_tokens, to_context)
+                      max_prompt_tokens, to_context, tuple(stop_token_ids), _field(body, "ignore_eos", (bool,), False),
+                      min_tokens, _field(body, "include_stop_str_in_output", (bool,), False))
 
 
 def parse_completion_request(body: Any, served_model: str, max_tokens_limit: int, *, max_prompt_tokens: int,
@@ -245,7 +300,9 @@ def parse_completion_request(body: Any, served_model: str, max_tokens_limit: int
     """A /v1/completions body: `prompt` (see _prompts; token ids at most max_prompt_tokens), `max_tokens` (1 to
     max_tokens_limit, DEFAULT_MAX_TOKENS when absent; 0 with echo: the prompt's log-probabilities alone),
     `temperature`, `top_p`, `seed`, `stop`, `n`, `stream` (+ `stream_options.include_usage`), `echo`, `logprobs`
-    (0 to MAX_TOP_LOGPROBS), `model` (absent, the served name or an alias). Fields of the API this server does not
+    (0 to MAX_TOP_LOGPROBS; 0: the chosen token's entry alone, as vLLM answers), `model` (absent, the served name
+    or an alias), and vLLM's `ignore_eos`, `min_tokens` (0 to max_tokens), `stop_token_ids` (at most
+    MAX_STOP_TOKEN_IDS) and `include_stop_str_in_output` (chat takes them too). Fields of the API this server does not
     implement are refused unless neutral (check_unsupported); others are ignored, as the engines ignore unknown
     ones. The model's context (`check_context`) and max_prompt_tokens (`check_prompt_tokens`) are checked again
     once the prompts are tokenized."""

@@ -25,12 +25,15 @@ from npuport.runtime.serving.api_answers import models_object, sse
 from npuport.runtime.serving.api_requests import (
     ChatRequest,
     RequestError,
+    check_text,
     error_body,
     parse_chat_request,
     parse_completion_request,
     shown,
 )
+from npuport.runtime.serving.gate import MAX_HEAD_BYTES, client_host
 from npuport.runtime.serving.limits import Log, PendingSlot, ServeLimits
+from npuport.runtime.serving.metrics import CONTENT_TYPE as METRICS_CONTENT_TYPE
 from npuport.runtime.serving.service import OpenAIService, Prepared, RequestCancelled, peer_closed
 
 
@@ -44,7 +47,7 @@ class Hosting(Protocol):
 
     def internal_error(self, where: str, error: BaseException) -> None: ...
 
-    def serving(self) -> AbstractContextManager[None]: ...
+    def serving(self, client: str = "") -> AbstractContextManager[None]: ...
 
 
 
@@ -59,7 +62,6 @@ def access_line(client: str, method: str, path: str, status: int | str, latency_
 
 
 MAX_BODY_BYTES = 16 * 1024 * 1024
-MAX_HEAD_BYTES = 64 * 1024  # the request line and headers: clients send a few hundred bytes
 BODY_CHUNK_BYTES = 64 * 1024
 
 
@@ -71,12 +73,14 @@ class RequestReader(io.RawIOBase):
     """The reading side of a connection, against a deadline: each read waits at most the time left, so a client
     that sends nothing, or a byte at a time, is cut off when the deadline passes (a per-read timeout alone would
     let a byte every few seconds hold the connection for ever). The head - request line and headers - has its
-    deadline and at most MAX_HEAD_BYTES; `start_body` gives the body a deadline of its own."""
+    deadline and at most MAX_HEAD_BYTES; `start_body` gives the body a deadline of its own. `already`: the bytes the
+    gate read first (gate.py), given before any more are read."""
 
-    def __init__(self, connection: socket.socket, head_deadline: float) -> None:
+    def __init__(self, connection: socket.socket, head_deadline: float, already: bytes = b"") -> None:
         self._connection = connection
         self._deadline = head_deadline
         self._head_left: int | None = MAX_HEAD_BYTES  # None once the body is read: Content-Length bounds it
+        self._already, self._given = already, 0
 
     def start_body(self, deadline: float) -> None:
         self._deadline, self._head_left = deadline, None
@@ -85,16 +89,21 @@ class RequestReader(io.RawIOBase):
         return True
 
     def readinto(self, buffer: Any) -> int:
-        left = self._deadline - time.monotonic()
-        if left <= 0:
-            raise TimeoutError("the request was not received in time")
         into = memoryview(buffer)
         if self._head_left is not None:
             if self._head_left == 0:
                 raise HeadTooLarge
             into = into[:self._head_left]
-        self._connection.settimeout(left)
-        received = self._connection.recv_into(into)
+        if self._given < len(self._already):
+            received = min(len(into), len(self._already) - self._given)
+            into[:received] = self._already[self._given:self._given + received]
+            self._given += received
+        else:
+            left = self._deadline - time.monotonic()
+            if left <= 0:
+                raise TimeoutError("the request was not received in time")
+            self._connection.settimeout(left)
+            received = self._connection.recv_into(into)
         if self._head_left is not None:
             self._head_left -= received
         return received
@@ -104,9 +113,10 @@ class RequestHandler(BaseHTTPRequestHandler):
     server: Hosting
     requestline = request_version = command = ""  # what a refusal before the request line is read logs
 
-    def __init__(self, request: socket.socket, client_address: Any, server: Hosting,
-                 pending: PendingSlot) -> None:
+    def __init__(self, request: socket.socket, client_address: Any, server: Hosting, pending: PendingSlot,
+                 head: bytes = b"", head_deadline: float | None = None) -> None:
         self.pending = pending  # given back once the request has arrived whole
+        self._head, self._head_deadline = head, head_deadline  # what the gate read, and the head's deadline
         super().__init__(request, client_address, server)
 
     @property
@@ -116,7 +126,10 @@ class RequestHandler(BaseHTTPRequestHandler):
     def setup(self) -> None:
         super().setup()
         self.rfile.close()  # replaced by a reader that enforces the request's deadlines and the head's size
-        self.reader = RequestReader(self.connection, time.monotonic() + self.server.limits.header_timeout_s)
+        deadline = self._head_deadline
+        if deadline is None:
+            deadline = time.monotonic() + self.server.limits.header_timeout_s
+        self.reader = RequestReader(self.connection, deadline, self._head)
         self.rfile = io.BufferedReader(self.reader)
 
     def handle_one_request(self) -> None:
@@ -144,6 +157,9 @@ class RequestHandler(BaseHTTPRequestHandler):
         self._status = code.value if isinstance(code, HTTPStatus) else code
 
     def do_GET(self) -> None:  # noqa: N802 - http.server's name
+        if self.path.split("?", 1)[0].rstrip("/") == "/metrics":  # for Prometheus, which holds no key (as /health)
+            self._write(HTTPStatus.OK, self.server.service.metrics.exposition().encode(), METRICS_CONTENT_TYPE)
+            return
         self._respond(self._get)
 
     def do_POST(self) -> None:  # noqa: N802 - http.server's name
@@ -165,7 +181,7 @@ class RequestHandler(BaseHTTPRequestHandler):
                                                      "/v1/chat/completions", None, "not_found")
         body = self._body()
         self.pending.release()  # the request has arrived: from here it counts against max_connections
-        with self.server.serving():
+        with self.server.serving(client_host(self.client_address)):
             service = self.server.service
             prepared = self._prepare(path, body)
             client_gone = functools.partial(peer_closed, self.connection)  # its rows then stop: cancelled
@@ -281,12 +297,14 @@ class RequestHandler(BaseHTTPRequestHandler):
                 raise RequestError(HTTPStatus.BAD_REQUEST, f"the body ended after {len(body)} of {length} bytes")
             body += chunk
         try:
-            return json.loads(body)
+            parsed = json.loads(body)
         except json.JSONDecodeError as e:
             raise RequestError(HTTPStatus.BAD_REQUEST, f"the body is not JSON ({e.msg} at line {e.lineno} column "
                                                        f"{e.colno})") from None
         except (ValueError, RecursionError):  # not UTF-8, an integer of too many digits, nesting too deep
             raise RequestError(HTTPStatus.BAD_REQUEST, "the body is not JSON that this server reads") from None
+        check_text(body, parsed)
+        return parsed
 
     def send_error(self, code: int, message: str | None = None, explain: str | None = None) -> None:
         """http.server's own refusals (a malformed request line, headers too long, an unsupported method) in
@@ -296,14 +314,16 @@ class RequestHandler(BaseHTTPRequestHandler):
         self._answer(status, error_body(status, shown(message or status.phrase)))
 
     def _answer(self, status: HTTPStatus, data: dict[str, Any]) -> None:
-        payload = json.dumps(data).encode("utf-8")
+        self._write(status, json.dumps(data).encode("utf-8"), "application/json")
+
+    def _write(self, status: HTTPStatus, payload: bytes, content_type: str) -> None:
         self.connection.settimeout(self.timeout)  # the reader left it at what remained of the request's time
         self.send_response(status)
-        self.send_header("Content-Type", "application/json")
+        self.send_header("Content-Type", content_type)
         self.send_header("Content-Length", str(len(payload)))
         if status == HTTPStatus.UNAUTHORIZED:
             self.send_header("WWW-Authenticate", "Bearer")
-        if status == HTTPStatus.SERVICE_UNAVAILABLE:
+        if status in (HTTPStatus.SERVICE_UNAVAILABLE, HTTPStatus.TOO_MANY_REQUESTS):
             self.send_header("Retry-After", "1")
         self.end_headers()
         self.wfile.write(payload)

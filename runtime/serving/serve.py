@@ -14,13 +14,17 @@ anything is allocated (`max_tokens` against `--max-tokens-limit` and the model's
 `--max-prompt-tokens` and the context, token ids as the body is read and text once tokenized; `n`, the number of
 prompts, top log-probabilities, the chat template's variables, the body size), and a chat template of the
 request's own is refused unless the operator passes `--allow-client-chat-template` (a template is code the server
-runs). A connection has `--header-timeout` to send its request line and headers (at most MAX_HEAD_BYTES), then
-`--request-timeout` for its body; at most `--max-pending-connections` connections may be sending their requests at
-once, and `--max-connections` requests - counted once one has arrived whole and passed the API key - are served at
-once (one more, of either kind, gets 503 at once), so clients that send nothing, or a byte at a time, never hold a
-slot that a real request needs. With `--api-key` every /v1 request needs `Authorization: Bearer <key>`. The host
-may be an IPv4 or IPv6 address or a name; a port in use is one line of error. Every error is answered in the
-OpenAI shape without the server's internals.
+runs). No client can deny service to another: a connection's request line and headers (at most MAX_HEAD_BYTES)
+are read by the gate (gate.py) - one thread over a selector, none per connection - within `--header-timeout` of
+its connecting; only then does it get a thread, which checks the API key before reading the body (within
+`--request-timeout`). Each client address may hold `--max-client-connections` connections and have
+`--max-client-requests` requests served at once (429 beyond), all clients `--max-pending-connections` connections
+still sending their requests (a connection over a connection limit takes the place of the oldest one still sending
+its head - its own address's, or the address with the most - else gets 503), and the server serves
+`--max-connections` requests at once (503 beyond), counted once a request has arrived whole and passed the key.
+With `--api-key` every /v1 request needs `Authorization: Bearer <key>`. `GET /metrics` answers Prometheus' text
+format (metrics.py), without the key, as /health. The host may be an IPv4 or IPv6 address or a name; a port in use
+is one line of error. Every error is answered in the OpenAI shape without the server's internals.
 
 Ctrl-C, SIGTERM or SIGHUP stop it promptly: it stops accepting, gives the requests in flight `shutdown_timeout_s`
 to finish, cancels those still running (their rows end at their next stop check), and says so in two lines,
@@ -29,12 +33,12 @@ to finish, cancels those still running (their rows end at their next stop check)
 from __future__ import annotations
 
 import ipaddress
-import json
 import socket
 import sys
 import threading
 import time
 import traceback
+from collections import Counter
 from collections.abc import Iterator
 from contextlib import contextmanager
 from http import HTTPStatus
@@ -43,7 +47,8 @@ from pathlib import Path
 from typing import Any
 
 from npuport.errors import NpuportError
-from npuport.runtime.serving.api_requests import RequestError, error_body
+from npuport.runtime.serving.api_requests import RequestError
+from npuport.runtime.serving.gate import Gate
 from npuport.runtime.serving.http_handler import RequestHandler
 from npuport.runtime.serving.limits import DEFAULT_LIMITS, Log, PendingSlot, ServeLimits
 from npuport.runtime.serving.service import OpenAIService
@@ -91,10 +96,10 @@ def listening_family(host: str, port: int) -> socket.AddressFamily:
 
 class CompletionsServer(ThreadingHTTPServer):
     """The HTTP server: `runner`'s model behind an OpenAIService (batches of at most runner.batch_size rows);
-    `served_model` is the name clients use. A connection gets a thread while fewer than
-    `limits.max_pending_connections` are still sending their requests, and a request is served while fewer than
-    `limits.max_connections` are; `log` gets a line per request, `report` the details of internal errors (which
-    clients only see as "internal error")."""
+    `served_model` is the name clients use. A connection is read by the gate until its head is in, then gets a
+    thread (within the gate's limits), and a request is served while fewer than `limits.max_connections` are (and
+    fewer than `limits.max_client_requests` of its client address); `log` gets a line per request, `report` the
+    details of internal errors (which clients only see as "internal error")."""
 
     daemon_threads = True
 
@@ -124,11 +129,14 @@ class CompletionsServer(ThreadingHTTPServer):
         self.api_key = api_key
         self.log = log
         self.report = report
-        self._pending = threading.BoundedSemaphore(limits.max_pending_connections)
-        self._slots: dict[socket.socket, PendingSlot] = {}  # a connection's pending slot, from accept to its thread
+        self._arrived: dict[socket.socket, tuple[bytes, float]] = {}  # a head in, from the gate to its thread
         self._serving = threading.BoundedSemaphore(limits.max_connections)
+        self._clients_lock = threading.Lock()
+        self._client_requests: Counter[str] = Counter()  # requests served at once, per client address
+        self.gate = Gate(limits, self._hand_over, log)
 
     def server_close(self) -> None:
+        self.gate.close()
         super().server_close()
         self.service.close()
 
@@ -138,6 +146,7 @@ class CompletionsServer(ThreadingHTTPServer):
         "stopped" once the model is idle (or, if a cancelled row does not reach its stop check in
         CANCELLED_WAIT_S, that it stops without it)."""
         self.socket.close()
+        self.gate.close()
         batcher = self.service.batcher
         say(f"shutting down: {batcher.in_flight} requests in flight (given {timeout_s:g} s to finish, then "
             "cancelled)")
@@ -157,57 +166,57 @@ class CompletionsServer(ThreadingHTTPServer):
         return f"http://{host_port(*self.server_address[:2])}"
 
     def process_request(self, request: socket.socket, client_address: Any) -> None:
-        """A thread for the connection while fewer than max_pending_connections are sending their requests; else
-        503 at once."""
-        if not self._pending.acquire(blocking=False):
-            self._refuse_busy(request, client_address)
-            return
-        slot = self._slots[request] = PendingSlot(self._pending)
+        """The accepted connection goes to the gate, which reads its head without a thread (gate.py)."""
+        self.gate.admit(request, client_address)
+
+    def _hand_over(self, request: socket.socket, client_address: Any, head: bytes, head_deadline: float) -> None:
+        """The gate's call once a connection's head is in: a thread of its own for the rest (ThreadingMixIn's)."""
+        self._arrived[request] = head, head_deadline
         try:
             super().process_request(request, client_address)
-        except BaseException:  # e.g. a signal's exception after the thread started: the slot goes back once
-            slot.release()
+        except BaseException:
+            self._arrived.pop(request, None)
             raise
 
     def process_request_thread(self, request: socket.socket, client_address: Any) -> None:
-        """ThreadingMixIn's, handing the connection's pending slot to its handler, which gives it back once the
-        request has arrived whole; else it goes back when the connection ends."""
-        pending = self._slots.pop(request)
+        """ThreadingMixIn's, handing the connection's head and pending count to its handler, which gives the count
+        back once the request has arrived whole; else it goes back when the connection ends."""
+        head, head_deadline = self._arrived.pop(request)
+        pending = PendingSlot(self.gate.arrived)
         try:
-            RequestHandler(request, client_address, self, pending)
+            RequestHandler(request, client_address, self, pending, head, head_deadline)
         except Exception:
             self.handle_error(request, client_address)
         finally:
             pending.release()
             self.shutdown_request(request)
+            self.gate.closed(client_address)
 
     @contextmanager
-    def serving(self) -> Iterator[None]:
-        """One of the max_connections slots while a request that arrived whole is served; 503 when none is free."""
-        if not self._serving.acquire(blocking=False):
-            raise RequestError(HTTPStatus.SERVICE_UNAVAILABLE, f"the server is serving {self.limits.max_connections} "
-                               "requests; retry shortly", None, "server_busy")
+    def serving(self, client: str = "") -> Iterator[None]:
+        """One of the max_connections slots while a request that arrived whole is served, and one of its client
+        address's max_client_requests; 503 when no slot is free, 429 when the client has all of its own."""
+        limit = self.limits.max_client_requests
+        with self._clients_lock:
+            mine = self._client_requests[client]
+            if mine < limit:
+                self._client_requests[client] += 1
+        if mine >= limit:
+            raise RequestError(HTTPStatus.TOO_MANY_REQUESTS, f"this client has {limit} requests being served "
+                               "(npuport serve --max-client-requests); retry shortly", None, "client_busy")
         try:
-            yield
+            if not self._serving.acquire(blocking=False):
+                raise RequestError(HTTPStatus.SERVICE_UNAVAILABLE, f"the server is serving "
+                                   f"{self.limits.max_connections} requests; retry shortly", None, "server_busy")
+            try:
+                yield
+            finally:
+                self._serving.release()
         finally:
-            self._serving.release()
-
-    def _refuse_busy(self, request: socket.socket, client_address: Any) -> None:
-        """Answer 503 without reading the request, on the accepting thread: never blocks (the answer fits the
-        fresh socket's send buffer, and a client that cannot take it is not waited for)."""
-        pending = self.limits.max_pending_connections
-        message = f"the server has {pending} connections still sending their requests; retry shortly"
-        payload = json.dumps(error_body(HTTPStatus.SERVICE_UNAVAILABLE, message, None, "server_busy")).encode()
-        head = (f"HTTP/1.0 503 Service Unavailable\r\nContent-Type: application/json\r\nContent-Length: "
-                f"{len(payload)}\r\nRetry-After: 1\r\nConnection: close\r\n\r\n").encode()
-        try:
-            request.setblocking(False)
-            request.send(head + payload)
-        except OSError:
-            pass
-        self.shutdown_request(request)
-        if self.log is not None:
-            self.log(f"{client_address[0]} refused: {pending} connections still sending their requests")
+            with self._clients_lock:
+                self._client_requests[client] -= 1
+                if self._client_requests[client] <= 0:
+                    del self._client_requests[client]
 
     def handle_error(self, request: Any, client_address: Any) -> None:
         """A connection that failed outside a request (a client that reset it): one line, no traceback."""
@@ -263,7 +272,7 @@ def serve_model(path: Path | str, *, host: str = DEFAULT_HOST, port: int = 0, se
     devices = f"{runner.model.device} x {world}" if world > 1 else f"{runner.model.device}"
     rows = "one row per call, batch-invariant" if batch_invariant else f"batches of up to {max_batch_size} rows"
     announce(f"serving {path} as model {name!r} on {server.url}/v1 (device {devices}, {dtype}, MTP k={mtp}, {rows}); "
-             "Ctrl-C stops it")
+             f"Prometheus metrics on {server.url}/metrics; Ctrl-C stops it")
     try:
         server.serve_forever()
     except KeyboardInterrupt:  # Ctrl-C, or SIGTERM / SIGHUP as the command line raises them

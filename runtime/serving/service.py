@@ -13,9 +13,10 @@ from __future__ import annotations
 import queue
 import select
 import socket
+import time
 from collections.abc import Callable, Sequence
 from concurrent import futures
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from http import HTTPStatus
 
 from npuport.chat_prompt import render_chat_prompt
@@ -43,6 +44,7 @@ from npuport.runtime.serving.api_requests import (
     within_context,
 )
 from npuport.runtime.serving.batching import Job, LogprobSpec, RequestBatcher, RowAnswer
+from npuport.runtime.serving.metrics import Request, ServeMetrics
 from npuport.runtime.text_completions import RuntimeCompletions, TextRequest
 from npuport.runtime.token_logprobs import PositionLogprobs
 
@@ -95,6 +97,7 @@ class Prepared:
     generation: Generation
     chat: bool
     echo: bool = False
+    arrived: float = field(default_factory=time.monotonic)  # when it began to be prepared (for the metrics)
 
 
 class OpenAIService:
@@ -113,6 +116,7 @@ class OpenAIService:
         self.runner, self.served_model, self.max_prompt_bytes = runner, served_model, max_prompt_bytes
         self.aliases = tuple(a for a in aliases if a != served_model)
         self.batcher = RequestBatcher(runner, max_rows, invariant=invariant)
+        self.metrics = ServeMetrics(served_model)
 
     def close(self) -> None:
         self.batcher.close()
@@ -120,6 +124,7 @@ class OpenAIService:
     # -- requests in ------------------------------------------------------------------------------------------
 
     def prepare_completion(self, request: CompletionRequest) -> Prepared:
+        arrived = time.monotonic()
         ids: list[list[int]] = []
         for i, prompt in enumerate(request.prompts):
             ids.append(self._tokenized(prompt, request.generation, f"prompt {i}", "prompt")
@@ -127,16 +132,17 @@ class OpenAIService:
             check_prompt_tokens(ids, request.generation.max_prompt_tokens, chat=False)
         generation = self._check(ids, request.generation)
         texts = [p if isinstance(p, str) else self.runner.decode(p) for p in request.prompts] if request.echo else []
-        return Prepared(ids, texts, generation, chat=False, echo=request.echo)
+        return Prepared(ids, texts, generation, chat=False, echo=request.echo, arrived=arrived)
 
     def prepare_chat(self, request: ChatRequest) -> Prepared:
+        arrived = time.monotonic()
         try:
             text = render_chat_prompt(self.runner.tokenizer, request.messages, request.template_kwargs)
         except NpuportError as e:
             raise RequestError(HTTPStatus.BAD_REQUEST, str(e), "messages", "chat_template") from None
         ids = [self._tokenized(text, request.generation, "the rendered chat", "messages")]
         check_prompt_tokens(ids, request.generation.max_prompt_tokens, chat=True)
-        return Prepared(ids, [], self._check(ids, request.generation), chat=True)
+        return Prepared(ids, [], self._check(ids, request.generation), chat=True, arrived=arrived)
 
     def _tokenized(self, text: str, generation: Generation, what: str, param: str) -> list[int]:
         """The token ids of a text prompt (`what`, from request field `param`), refused untokenized when it has
@@ -154,29 +160,54 @@ class OpenAIService:
         against the model's context and vocabulary."""
         generation = within_context(generation, ids, self.runner.context_tokens)
         check_context(ids, generation.max_tokens, self.runner.context_tokens, self.runner.vocab_size)
+        if generation.min_tokens > generation.max_tokens:  # max_tokens cut to the context's room
+            raise RequestError(HTTPStatus.BAD_REQUEST, f"'min_tokens' is {generation.min_tokens}, more than the "
+                               f"{generation.max_tokens} tokens the model's context leaves room for", "min_tokens",
+                               "context_length_exceeded")
         return generation
 
-    def _job(self, prepared: Prepared, on_tokens: Callable[[int, list[int]], None] | None = None) -> Job:
+    def _job(self, prepared: Prepared, tracked: Request,
+             on_tokens: Callable[[int, list[int]], None] | None = None) -> Job:
+        """The batcher's job for `prepared`; `tracked` hears of its first token (the metrics), on_tokens of every
+        row's tokens as they come (a stream)."""
+
+        def heard(row: int, new: list[int]) -> None:
+            tracked.first_token()
+            if on_tokens is not None:
+                on_tokens(row, new)
+
         g = prepared.generation
-        rows = [TextRequest(ids, g.max_tokens, tuple(g.stop)) for ids in prepared.prompt_ids for _ in range(g.n)]
+        rows = [TextRequest(ids, g.max_tokens, tuple(g.stop), stop_token_ids=g.stop_token_ids, ignore_eos=g.ignore_eos,
+                            min_tokens=g.min_tokens, include_stop=g.include_stop)
+                for ids in prepared.prompt_ids for _ in range(g.n)]
         spec = None if g.logprobs is None else LogprobSpec(g.logprobs, prompt_too=prepared.echo)
-        return Job(rows, g.sampling, spec, on_tokens)
+        return Job(rows, g.sampling, spec, heard)
 
     # -- answers out ------------------------------------------------------------------------------------------
 
     def answer(self, prepared: Prepared, client_gone: ClientGone | None = None) -> dict:
         """The whole answer object, once every row is done. While it waits, client_gone() is asked every
         CLIENT_CHECK_S: once True, the rows are cancelled and RequestCancelled raised."""
-        job = self._job(prepared)
-        future = self.batcher.submit(job)
-        while client_gone is not None and not futures.wait([future], CLIENT_CHECK_S).done:
-            if client_gone():
-                job.cancel()
-                raise RequestCancelled
-        rows = future.result()
-        answers = [self._answer(prepared, i, row) for i, row in enumerate(rows)]
-        make = chat_object if prepared.chat else completion_object
-        return make(self.served_model, answers, sum(map(len, prepared.prompt_ids)), _completion_tokens(rows))
+        if client_gone is not None and client_gone():  # gone while its prompts were tokenized: no prefill
+            raise RequestCancelled
+        tracked = self.metrics.submitted(prepared.arrived)
+        try:
+            job = self._job(prepared, tracked)
+            future = self.batcher.submit(job)
+            while client_gone is not None and not futures.wait([future], CLIENT_CHECK_S).done:
+                if client_gone():
+                    job.cancel()
+                    raise RequestCancelled
+            rows = future.result()
+            answers = [self._answer(prepared, i, row) for i, row in enumerate(rows)]
+            make = chat_object if prepared.chat else completion_object
+            usage = sum(map(len, prepared.prompt_ids)), _completion_tokens(rows)
+            answer = make(self.served_model, answers, *usage)
+        except BaseException:
+            tracked.done()
+            raise
+        tracked.done(*usage, success=True)
+        return answer
 
     def _answer(self, prepared: Prepared, row: int, answer: RowAnswer) -> Answer:
         completion = answer.result.completion
@@ -200,13 +231,29 @@ class OpenAIService:
         client_gone() - asked every CLIENT_CHECK_S while nothing is written - says so, the client went away: the
         rows are cancelled and RequestCancelled raised. If the model fails, its error is raised, for the caller to
         end the stream with an error event and report it."""
+        if client_gone is not None and client_gone():  # gone while its prompts were tokenized: no prefill
+            raise RequestCancelled
+        tracked = self.metrics.submitted(prepared.arrived)
+        try:
+            usage = self._stream(prepared, write, client_gone, tracked)
+        except BaseException:
+            tracked.done()
+            raise
+        tracked.done(*usage, success=True)
+        return usage
+
+    def _stream(self, prepared: Prepared, write: Write, client_gone: ClientGone | None,
+                tracked: Request) -> tuple[int, int]:
         events: queue.SimpleQueue[tuple[int, list[int]] | None] = queue.SimpleQueue()
         with_logprobs = prepared.generation.logprobs is not None
-        job = self._job(prepared, on_tokens=None if with_logprobs else lambda row, new: events.put((row, new)))
+        job = self._job(prepared, tracked,
+                        on_tokens=None if with_logprobs else lambda row, new: events.put((row, new)))
         future = self.batcher.submit(job)
         future.add_done_callback(lambda _: events.put(None))
         chunks = ChunkMaker(self.served_model, prepared.chat)
-        texts = [StreamedText(self.runner.decode, prepared.generation.stop) for _ in job.rows]
+        g = prepared.generation
+        texts = [StreamedText(self.runner.decode, g.stop, self.runner.stop_set(row), g.min_tokens, g.include_stop)
+                 for row in job.rows]
         texter = token_texter(self.runner.token_text, prepared.generation.tokens_as_ids)
 
         def send(event: dict | str) -> None:
