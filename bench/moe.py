@@ -14,17 +14,25 @@ measured in the same run. Our layers are timed as CUDA graphs of many calls rota
 with their own weights and inputs (more than the 60 MB L2 holds); contestants that cannot be captured run
 eagerly, timed with CUDA events (fastest of several rounds). The outputs of ours and of transformers on the
 same weights and inputs are compared (BF16: relative L2 error). --sweep times the matvec tiles of the routed
-experts. --e2e: whole models (`make-tiny --like` at --e2e-layers layers, converted to W8A8) through the public
-generate, decode ms/token per batch size with and without MTP k=1, prefill of 512 and 4096 tokens, and
-transformers `generate` on the same BF16 checkpoint; --profile adds GPU time per decode step by kernel and every
+experts. --e2e: whole models (`make-tiny --like` at --e2e-layers layers, converted to W8A8, or with each recipe of
+--e2e-recipes: qwen3_5_moe_w4a8 gives W4A8, see INT4_SCALES) through the public generate, decode ms/token per batch
+size with and without MTP k=1, prefill of 512 and 4096 tokens, and transformers `generate` on the same BF16
+checkpoint; --profile adds GPU time per decode step by kernel and every
 kernel in the order it ran (DIR/profile-LABEL.timeline.tsv).
 Results: DIR/moe.json (rewritten after every measurement), one JSON line per measurement on stdout.
+
+W4A8 ("w4a8" layers; W4A8 artifacts end to end) gets its int4 weights from min-max scales (INT4_SCALES), not from
+msModelSlim's ssz search, whose ~5 s per expert projection on a CPU core would take hours at real widths
+(--e2e-ssz runs it anyway): decode time does not depend on the scale values, and the packing, tensors and labels
+are the converter's own.
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import copy
+import functools
 import importlib.util
 import json
 import time
@@ -34,6 +42,8 @@ from pathlib import Path
 import torch
 
 from npuport.convert.quantize import quantize_per_channel_int8
+from npuport.convert.recipe import W4A8_DYNAMIC, load_recipe
+from npuport.convert.w4a8 import pack_int4
 from npuport.devices import timed_graph
 from npuport.kernels.fused_moe import (
     MatvecConfig,
@@ -61,6 +71,9 @@ MOE_WIDTHS = {"35B-A3B": (2048, 256, 8, 512, 512), "122B-A10B": (3072, 256, 8, 1
               "397B-A17B": (4096, 512, 10, 1024, 1024)}
 CALLS = 24
 ROUNDS = 5
+# How the bench's W4A8 weights get their scales, as the results label them.
+INT4_SCALES = ("min-max int4 scales (max |w| / 7 per channel): not msModelSlim's ssz scales, for speed only; decode "
+               "time does not depend on scale values")
 
 
 def transformers_config(like: str):
@@ -86,8 +99,16 @@ def transformers_block(config, implementation: str, seed: int, device: torch.dev
     return block.to(device=device, dtype=torch.bfloat16).eval()
 
 
-def our_layer(block, config: ModelConfig, quantized: bool) -> MoE:
-    """The runtime's MoE with `block`'s weights (W8A8: experts quantized with the converter's math)."""
+def int4_min_max(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """w [N, K] -> (int4 values int8 [N, K], scales fp32 [N]): symmetric per channel, scale max |w| / 7 (INT4_SCALES:
+    not the ssz search's scales)."""
+    scale = (w.float().abs().amax(-1) / 7).clamp(min=2.0**-23)
+    return (w.float() / scale[:, None]).round().clamp(-8, 7).to(torch.int8), scale
+
+
+def our_layer(block, config: ModelConfig, quantized: bool, int4: bool = False) -> MoE:
+    """The runtime's MoE with `block`'s weights (W8A8: experts quantized with the converter's math; int4: W4A8
+    experts packed as the loader keeps them on a GPU, their scales INT4_SCALES')."""
     layer = MoE(config, "bench", Parallel()).to(device=block.gate.weight.device, dtype=torch.bfloat16)
     with torch.no_grad():
         layer.gate.weight.copy_(block.gate.weight)
@@ -101,9 +122,13 @@ def our_layer(block, config: ModelConfig, quantized: bool) -> MoE:
             layer.experts.down_proj.copy_(down)
             return layer
         e, two_i, h = gate_up.shape
-        experts = Experts(e, h, two_i // 2, quantized=True).to(gate_up.device)
+        experts = Experts(e, h, two_i // 2, quantized=True, int4=int4).to(gate_up.device)
         for name, w in (("gate_up_proj", gate_up), ("down_proj", down)):
-            q, scale, _ = zip(*(quantize_per_channel_int8(w[i]) for i in range(e)), strict=True)
+            if int4:  # rows pair within gate and within up: I is even
+                q, scale = zip(*(int4_min_max(w[i]) for i in range(e)), strict=True)
+                q = [pack_int4(one) for one in q]
+            else:
+                q, scale, _ = zip(*(quantize_per_channel_int8(w[i]) for i in range(e)), strict=True)
             getattr(experts, name).copy_(torch.stack(q))
             getattr(experts, f"{name}_scale").copy_(torch.stack(scale).reshape(e, -1).float())
         layer.experts = experts
@@ -291,10 +316,14 @@ def end_to_end(args, copy_bps: float, save) -> dict:
     artifacts = {}  # label -> artifact folder: one per --e2e-recipes name, or the default recipe's
     for recipe in args.e2e_recipes.split(",") if args.e2e_recipes else [None]:
         start = time.perf_counter()
-        label = f"W8A8 {recipe}" if recipe else "W8A8"
-        artifacts[label] = convert_qwen35(source, args.e2e / (recipe or "artifact"), show_progress=False,
-                                          recipe_path=recipe_path_for(recipe) if recipe else None,
-                                          log=lambda m: None, workers=4).out
+        int4 = recipe is not None and writes_w4a8(recipe_path_for(recipe))
+        label = f"{'W4A8' if int4 else 'W8A8'} {recipe}" if recipe else "W8A8"
+        if int4 and not args.e2e_ssz:
+            out.setdefault("int4_scales", {})[label] = INT4_SCALES
+        with contextlib.nullcontext() if args.e2e_ssz or not int4 else start_scales_only():
+            artifacts[label] = convert_qwen35(source, args.e2e / (recipe or "artifact"), show_progress=False,
+                                              recipe_path=recipe_path_for(recipe) if recipe else None,
+                                              log=lambda m: None, workers=4).out
         out.setdefault("convert_s", {})[label] = time.perf_counter() - start
     gen = torch.Generator().manual_seed(0)
     batches = [int(b) for b in args.batches.split(",")]
@@ -351,6 +380,26 @@ def end_to_end(args, copy_bps: float, save) -> dict:
     return out
 
 
+def writes_w4a8(recipe: Path) -> bool:
+    """Whether the recipe asks for W4A8_DYNAMIC layers."""
+    return any(rule.scheme == W4A8_DYNAMIC for rule in load_recipe(recipe).rules)
+
+
+@contextlib.contextmanager
+def start_scales_only():
+    """Inside the block the converter's W4A8 weights take msModelSlim's start scale - max |W| / 7 per channel in
+    BF16, the first step of its ssz search - without the search's refinement rounds (INT4_SCALES): seconds instead of
+    hours at real widths. Everything else the converter writes is its own."""
+    import npuport.convert.w4a8 as w4a8
+
+    search = w4a8.ssz_scale
+    w4a8.ssz_scale = functools.partial(search, iterations=0)
+    try:
+        yield
+    finally:
+        w4a8.ssz_scale = search
+
+
 # transformers settings timed end to end: (experts implementation, None = eager; generate options). A static
 # cache turns on generate's auto-compile.
 TRANSFORMERS_SETTINGS = (
@@ -381,8 +430,11 @@ def main() -> None:
     parser.add_argument("--e2e-layers", type=int, default=4)
     parser.add_argument("--e2e-like", default=None, help="The make-tiny --like model end to end (default: --like).")
     parser.add_argument("--e2e-recipes", default="",
-                        help="End to end, one W8A8 artifact per shipped recipe named (comma-separated, e.g. "
-                             "qwen3_5_dense_w8a8,qwen3_6_27b_w8a8); default: the default recipe's.")
+                        help="End to end, one artifact per shipped recipe named (comma-separated, e.g. "
+                             "qwen3_5_moe_w8a8,qwen3_5_moe_w4a8); default: the default recipe's.")
+    parser.add_argument("--e2e-ssz", action="store_true",
+                        help="W4A8 artifacts with msModelSlim's full ssz search (hours at real widths) rather than "
+                             "its start scales.")
     parser.add_argument("--batches", default="1,8,32")
     parser.add_argument("--sweep", default="", help="Token counts at which to sweep the matvec tiles, e.g. 1,8,16")
     parser.add_argument("--new-tokens", type=int, default=48)
@@ -406,7 +458,10 @@ def main() -> None:
     blocks = {impl: [transformers_block(tconfig, impl, seed, device) for seed in range(args.layers)]
               for impl in impls}
     ours = {} if args.skip_layer else {"bf16": [our_layer(b, config, False) for b in blocks["eager"]],
-                                       "w8a8": [our_layer(b, config, True) for b in blocks["eager"]]}
+                                       "w8a8": [our_layer(b, config, True) for b in blocks["eager"]],
+                                       "w4a8": [our_layer(b, config, True, int4=True) for b in blocks["eager"]]}
+    if ours:
+        result["int4_scales"] = INT4_SCALES
     if args.sweep:
         result["sweep"] = sweep(ours, device, [int(t) for t in args.sweep.split(",")])
     for m in [] if args.skip_layer else [int(t) for t in args.tokens.split(",")]:
@@ -447,6 +502,7 @@ def main() -> None:
             for label in ours:
                 row[f"speedup_{label}_vs_best_transformers"] = numbers[best] / row["us"][f"npuport {label} (graph)"]
         row["w8a8_vs_bf16"] = row["us"]["npuport bf16 (graph)"] / row["us"]["npuport w8a8 (graph)"]
+        row["w4a8_vs_w8a8"] = row["us"]["npuport w8a8 (graph)"] / row["us"]["npuport w4a8 (graph)"]
         result["rows"].append(row)
         (args.out / "moe.json").write_text(json.dumps(result, indent=2) + "\n")
         print(json.dumps(row), flush=True)

@@ -5,6 +5,7 @@ label. A tensor that is missing, misshapen, of the wrong dtype or wrongly labell
 from __future__ import annotations
 
 import dataclasses
+import functools
 import re
 from pathlib import Path
 
@@ -20,7 +21,7 @@ from npuport.convert.safetensors_io import TensorEntry
 from npuport.convert.source import INDEX_NAME as SOURCE_INDEX_NAME
 from npuport.convert.source import check_against_config, read_tensors, read_weight_map
 from npuport.convert.w4a8 import scale_bias, scale_bias_groups, unpack_int4
-from npuport.devices import pick_device
+from npuport.devices import is_gpu, pick_device
 from npuport.errors import ArtifactError, CheckpointError, NpuportError
 from npuport.jsonfile import read_json_object
 from npuport.paths import file_inside, hub_cache_blobs
@@ -37,6 +38,14 @@ LABELS = (FLOAT, W8A8_DYNAMIC, W4A8_DYNAMIC)
 # any K an engine takes); a wrong packing, scale or K slicing moves it by whole terms.
 SCALE_BIAS_RTOL = 1e-3
 _MTP_LAYER = re.compile(r"^mtp\.layers\.(\d+)\.")
+
+
+def keeps_int4_packed(device: torch.device, parallel: Parallel) -> bool:
+    """Whether W4A8 experts stay int4 pairs in int8 bytes (StackedExperts.int4) on `device`: on a GPU, where the
+    matvec kernels read them as int4 (half the bytes of int8), on one device (expert parallelism slices the experts
+    as int8 ones). Elsewhere they are unpacked to int8 at load: the CPU runs the references, and on an NPU
+    torch-npu's grouped matmul runs the experts, with no int4 operator documented for it here."""
+    return is_gpu(device) and parallel.world == 1
 
 
 class Checkpoint:
@@ -191,9 +200,10 @@ class _Loader:
             raise self.ckpt.error(f"tensor {ck}.weight_offset is not all zeros (the scheme is symmetric)")
         return weight, scale
 
-    def w4a8(self, ck: str, shape: tuple[int, int]) -> tuple[torch.Tensor, torch.Tensor]:
-        """The int4 values as int8 [N, K] and the scales [N, 1] of W4A8_DYNAMIC expert projection `ck` (checkpoint
-        name, no `.weight`; `shape` its logical [N, K]), unpacked from int8 [N/2, K] by convert/w4a8.py's
+    def w4a8(self, ck: str, shape: tuple[int, int], packed: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+        """The int4 values as int8 [N, K] - or with `packed` as stored, int8 [N/2, K] of row pairs, for the int4
+        matvec kernels (keeps_int4_packed) - and the scales [N, 1] of W4A8_DYNAMIC expert projection `ck`
+        (checkpoint name, no `.weight`; `shape` its logical [N, K]), unpacked from int8 [N/2, K] by convert/w4a8.py's
         unpack_int4, so that the int8 expert path runs them: x_q int8 per token times the int4 values as signed
         integers, accumulated exactly, rescaled by s_x * s_w - what the engines' int4 kernels amount to
         (kernels/fused_moe/naive.py says how). scale_bias is read and checked against its definition, 8 x the sum
@@ -204,7 +214,8 @@ class _Loader:
         n, k = shape
         if n % 2:
             raise self.ckpt.error(f"tensor {ck}.weight: a W4A8_DYNAMIC layer needs an even row count, not {n}")
-        q = unpack_int4(self.ckpt.read(ck + ".weight", (n // 2, k), "int8"))
+        stored_weight = self.ckpt.read(ck + ".weight", (n // 2, k), "int8")
+        q = unpack_int4(stored_weight)
         scale = self.ckpt.read(ck + ".weight_scale", (n, 1), "float").float()
         offset = self.ckpt.read(ck + ".weight_offset", (n, 1), "float")
         if bool(offset.ne(0).any()):
@@ -219,14 +230,14 @@ class _Loader:
                 f"tensor {ck}.scale_bias disagrees with 8 x the sum of the unpacked int4 weight x weight_scale over "
                 f"each of its {groups} K slice(s): row {worst // groups} column {worst % groups} holds "
                 f"{stored.flatten()[worst].item():.6g}, expected {expected.flatten()[worst].item():.6g}")
-        return q, scale
+        return (stored_weight if packed else q), scale
 
     def experts(self, name: str, module: Experts) -> tuple[Experts, dict[str, torch.Tensor]]:
         """The stacked experts of MoE layer `name` (`...mlp.experts`), filled one expert at a time straight into
         their place on the device (never a second copy of the layer): from fused `gate_up_proj [E, 2I, H]` /
         `down_proj [E, H, I]` (BF16 sources) or per-expert `E.{gate,up,down}_proj` tensors, BF16, W8A8 or W4A8 (its
-        int4 values unpacked to int8 here: the int8 experts run them, see w4a8). On several ranks, only this rank's
-        experts (module holds their count; ExpertShard says which)."""
+        int4 values unpacked to int8 here: the int8 experts run them, see w4a8; kept packed where keeps_int4_packed).
+        On several ranks, only this rank's experts (module holds their count; ExpertShard says which)."""
         ck = _checkpoint_name(name, self.prefix)
         e_count, two_i, hidden = module.gate_up_proj.shape
         global_ids = ExpertShard(self.n_experts, self.parallel.world).ids(self.parallel.rank)
@@ -237,12 +248,16 @@ class _Loader:
         if len(labels) > 1:
             raise self.ckpt.error(f"the experts of {ck} carry different labels {sorted(labels)}; one layer, one label")
         quantized = labels in ({W8A8_DYNAMIC}, {W4A8_DYNAMIC})
-        read_quantized = self.w4a8 if labels == {W4A8_DYNAMIC} else self.w8a8
+        int4 = labels == {W4A8_DYNAMIC} and keeps_int4_packed(self.device, self.parallel)
+        read_quantized = functools.partial(self.w4a8, packed=int4) if labels == {W4A8_DYNAMIC} else self.w8a8
         with torch.device("meta"):
-            built = Experts(e_count, hidden, i, quantized)
+            built = Experts(e_count, hidden, i, quantized, int4=int4)
         out = {n: torch.empty(b.shape, dtype=b.dtype if quantized else self.dtype, device=self.device)
                for n, b in built.state_dict().items()}
         rows = {"gate_proj": slice(0, i), "up_proj": slice(i, two_i), "down_proj": slice(None)}
+        # packed int4: gate's row pairs are byte rows [0, I/2), up's [I/2, I); the scales keep one row per value
+        weight_rows = {"gate_proj": slice(0, i // 2), "up_proj": slice(i // 2, i), "down_proj": slice(None)} if int4 \
+            else rows
         for e, g in enumerate(global_ids):
             if not quantized:
                 self.copy_float_expert(ck, g, "gate_up_proj", {p: rows[p] for p in ("gate_proj", "up_proj")},
@@ -252,7 +267,7 @@ class _Loader:
             for proj, shape in per_expert.items():
                 target = "down_proj" if proj == "down_proj" else "gate_up_proj"
                 weight, scale = read_quantized(f"{ck}.{g}.{proj}", shape)
-                out[target][e, rows[proj]].copy_(weight)
+                out[target][e, weight_rows[proj]].copy_(weight)
                 out[f"{target}_scale"][e, rows[proj]].copy_(scale.float().reshape(-1))
         return built, out
 

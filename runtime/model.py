@@ -63,16 +63,22 @@ class Experts(nn.Module):
     """The routed experts of one MoE layer, stacked (kernels.fused_moe.StackedExperts): gate_up_proj [E, 2I, H]
     (gate rows, then up rows) and down_proj [E, H, I] in the model's float dtype, or - W8A8, and W4A8 with its int4
     values unpacked to int8 by the loader - int8 with per-channel scales gate_up_proj_scale [E, 2I] and
-    down_proj_scale [E, H] fp32."""
+    down_proj_scale [E, H] fp32; int4 (W4A8 kept packed, StackedExperts.int4): int8 bytes of int4 row pairs,
+    gate_up_proj [E, I, H] and down_proj [E, H/2, I], the same scales."""
 
-    def __init__(self, num_experts: int, hidden: int, intermediate: int, quantized: bool = False) -> None:
+    def __init__(self, num_experts: int, hidden: int, intermediate: int, quantized: bool = False,
+                 int4: bool = False) -> None:
         super().__init__()
-        shapes = {"gate_up_proj": (num_experts, 2 * intermediate, hidden), "down_proj": (num_experts, hidden,
-                                                                                         intermediate)}
+        self.int4 = int4
+        rows = 2 if int4 else 1
+        shapes = {"gate_up_proj": (num_experts, 2 * intermediate // rows, hidden),
+                  "down_proj": (num_experts, hidden // rows, intermediate)}
+        scale_rows = {"gate_up_proj": 2 * intermediate, "down_proj": hidden}
         for name, shape in shapes.items():
             if quantized:
                 self.register_buffer(name, torch.empty(shape, dtype=torch.int8))
-                self.register_buffer(f"{name}_scale", torch.empty(shape[:2], dtype=torch.float32))
+                self.register_buffer(f"{name}_scale", torch.empty(num_experts, scale_rows[name],
+                                                                  dtype=torch.float32))
             else:
                 self.register_parameter(name, nn.Parameter(torch.empty(shape), requires_grad=False))
 
@@ -82,7 +88,8 @@ class Experts(nn.Module):
 
     def stacked(self) -> StackedExperts:
         if self.quantized:
-            return StackedExperts(self.gate_up_proj, self.down_proj, self.gate_up_proj_scale, self.down_proj_scale)
+            return StackedExperts(self.gate_up_proj, self.down_proj, self.gate_up_proj_scale, self.down_proj_scale,
+                                  int4=self.int4)
         return StackedExperts(self.gate_up_proj, self.down_proj)
 
     def forward(self, x: torch.Tensor, weights: torch.Tensor, expert_ids: torch.Tensor,

@@ -174,29 +174,33 @@ def linears(s: Sizes, dtype: torch.dtype, rows: int, quantized: bool) -> None:
         invariant_linear(empty(rows, k, dtype=dtype), empty(n, k, dtype=dtype))
 
 
-def stacked_experts(s: Sizes, dtype: torch.dtype, quantized: bool, shared_quantized: bool):
+def stacked_experts(s: Sizes, dtype: torch.dtype, quantized: bool, shared_quantized: bool, int4: bool = False):
+    """(routed experts, shared expert): BF16 or int8; int4: the routed ones W4A8's int4 row pairs in int8 bytes."""
     from npuport.kernels.fused_moe import StackedExperts
 
     def experts(e: int, rows: int, cols: int, dtype: torch.dtype) -> torch.Tensor:
         one = empty(1, rows, cols, dtype=dtype)
         return one.expand(e, rows, cols) if e * one.nbytes > STACK_BYTES else empty(e, rows, cols, dtype=dtype)
 
-    def stacked(e: int, width: int, int8: bool) -> StackedExperts:
+    def stacked(e: int, width: int, int8: bool, packed: bool = False) -> StackedExperts:
         if not int8:
             return StackedExperts(experts(e, 2 * width, s.hidden_size, dtype), experts(e, s.hidden_size, width, dtype))
-        return StackedExperts(experts(e, 2 * width, s.hidden_size, torch.int8),
-                              experts(e, s.hidden_size, width, torch.int8),
-                              empty(e, 2 * width, dtype=torch.float32), empty(e, s.hidden_size, dtype=torch.float32))
+        rows = 2 if packed else 1
+        return StackedExperts(experts(e, 2 * width // rows, s.hidden_size, torch.int8),
+                              experts(e, s.hidden_size // rows, width, torch.int8),
+                              empty(e, 2 * width, dtype=torch.float32), empty(e, s.hidden_size, dtype=torch.float32),
+                              int4=packed)
 
-    return (stacked(s.num_experts, s.moe_intermediate_size, quantized),
+    return (stacked(s.num_experts, s.moe_intermediate_size, quantized, int4),
             stacked(1, s.shared_expert_intermediate_size, shared_quantized))
 
 
 def moe(s: Sizes, dtype: torch.dtype, rows: int, quantized: bool, plan_tokens: int | None) -> None:
     """Routing and the experts: the shared expert riding along (BF16 beside int8 experts, as the W8A8 recipes keep
     it, or int8), the routed experts alone (several ranks), a shared expert of another layout (its rows apart)
-    added after them by matvec launches of its own, and the tokens arriving quantized (int8 dispatch)."""
-    from npuport.kernels.fused_moe import StackedExperts, fused_experts, route_top_k
+    added after them by matvec launches of its own, the tokens arriving quantized (int8 dispatch), and W4A8's int4
+    experts at decode sizes."""
+    from npuport.kernels.fused_moe import MATVEC_MAX_PAIRS, StackedExperts, fused_experts, route_top_k
     from npuport.kernels.w8a8 import quantize_per_token_int8
 
     x = empty(rows, s.hidden_size, dtype=dtype)
@@ -214,6 +218,12 @@ def moe(s: Sizes, dtype: torch.dtype, rows: int, quantized: bool, plan_tokens: i
     if quantized:  # int8 dispatch: the tokens arrive quantized (expert parallelism)
         x_q, x_scale = quantize_per_token_int8(x)
         fused_experts(x, routed, weights, ids, x_int8=(x_q, x_scale), plan_tokens=plan_tokens)
+    if quantized and max(rows, plan_tokens or 0) * s.num_experts_per_tok <= MATVEC_MAX_PAIRS:
+        # W4A8 decode: the int4 matvec kernels, a BF16 shared expert riding along (more pairs take the grouped GEMMs
+        # on experts unpacked by PyTorch, the int8 launches above)
+        routed, shared = stacked_experts(s, dtype, True, False, int4=True)
+        fused_experts(x, routed, weights, ids, shared=(shared, shared_weight), plan_tokens=plan_tokens)
+        fused_experts(x, routed, weights, ids, plan_tokens=plan_tokens)
 
 
 def record_runtime_launches() -> list[Launch]:
@@ -257,6 +267,7 @@ def test_every_launched_kernel_is_recorded_and_has_a_footprint(runtime_launches)
     kernel must get a launch here and its tiles there."""
     recorded = {(launch.module, launch.kernel) for launch in runtime_launches}
     assert launched_kernels() - recorded == set()
+    assert any(launch.constexprs.get("INT4") for launch in runtime_launches)  # W4A8's int4 matvec variant too
     assert {kernel for _, kernel in launched_kernels()} - FOOTPRINTS.keys() == set()
 
 

@@ -35,6 +35,8 @@ from npuport.kernels.fused_moe import (  # noqa: E402
     StackedExperts,
     fused_experts,
     fused_experts_reference,
+    matvec_config,
+    matvec_experts,
     route_top_k,
     route_top_k_reference,
 )
@@ -283,6 +285,96 @@ def test_fused_moe_at_real_sizes_and_in_a_graph(quantized, m):
         s.copy_(n)
     graph.replay()
     assert torch.equal(out, fused_experts(new[0], experts, new[1], new[2]))
+
+
+# The routed experts' widths of the W4A8 models: hidden, experts, top-k, expert intermediate (QWEN35.md).
+INT4_WIDTHS = {"35B-A3B": (2048, 256, 8, 512), "397B-A17B": (4096, 512, 10, 1024)}
+
+
+def int4_experts(hidden: int, experts: int, inter: int) -> tuple[StackedExperts, StackedExperts]:
+    """(packed int4 experts, the int8 experts of the same values): random int4 values with per-channel scales,
+    packed by convert/w4a8.py's pack_int4 (gate and up rows pair within each half: I is even)."""
+    from npuport.convert.w4a8 import pack_int4
+
+    gen = torch.Generator(device=CUDA).manual_seed(hidden + experts)
+    gate_up = torch.randint(-8, 8, (experts, 2 * inter, hidden), generator=gen, device=CUDA, dtype=torch.int8)
+    down = torch.randint(-8, 8, (experts, hidden, inter), generator=gen, device=CUDA, dtype=torch.int8)
+    gate_up_scale = torch.rand(experts, 2 * inter, generator=gen, device=CUDA) * 2e-3 + 1e-4
+    down_scale = torch.rand(experts, hidden, generator=gen, device=CUDA) * 2e-3 + 1e-4
+    packed = [torch.stack([pack_int4(w) for w in q]) for q in (gate_up, down)]
+    return (StackedExperts(packed[0], packed[1], gate_up_scale, down_scale, int4=True),
+            StackedExperts(gate_up, down, gate_up_scale, down_scale))
+
+
+@pytest.mark.parametrize("like", sorted(INT4_WIDTHS))
+@pytest.mark.parametrize("m", [1, 8, 32])
+def test_int4_matvec_at_real_widths_gives_the_int8_bits_and_runs_in_a_graph(like, m):
+    """W4A8 experts read as int4 by the matvec kernels at 35B-A3B and 397B-A17B widths, decode batches 1 / 8 / 32
+    with the tiles the plan picks for them: the int8 kernels' bits on the unpacked values; the reference (unpack,
+    then the int8 arithmetic) equal but for rare silu-ulp rows; the whole call (its plan: matvec up to 128 routed
+    pairs, else the grouped GEMMs on the experts unpacked for the call) captured in a graph and replayed on a new
+    batch as eager."""
+    hidden, experts, top_k, inter = INT4_WIDTHS[like]
+    packed, unpacked = int4_experts(hidden, experts, inter)
+    gen = torch.Generator(device=CUDA).manual_seed(m)
+
+    def batch():
+        x = torch.randn(m, hidden, generator=gen, device=CUDA).bfloat16()
+        return (x, *route_top_k(torch.randn(m, experts, generator=gen, device=CUDA), top_k, torch.bfloat16))
+
+    x, weights, ids = batch()
+    config = matvec_config(m * top_k, CUDA)
+    got = matvec_experts(x, None, packed, ids, weights, torch.bfloat16, config)
+    assert torch.equal(got, matvec_experts(x, None, unpacked, ids, weights, torch.bfloat16, config))
+    want = fused_experts_reference(x, packed, weights, ids)
+    assert rel(got, want) < 1e-2
+    assert (got == want).float().mean().item() >= 0.98
+    static = [t.clone() for t in (x, weights, ids)]
+    graph = DeviceGraph(CUDA)
+    graph.warm_up(lambda: fused_experts(static[0], packed, static[1], static[2]))
+    out = graph.capture(lambda: fused_experts(static[0], packed, static[1], static[2]))
+    new = batch()
+    for s, n in zip(static, new, strict=True):
+        s.copy_(n)
+    graph.replay()
+    assert torch.equal(out, fused_experts(new[0], packed, new[1], new[2]))
+    assert torch.equal(out, fused_experts(new[0], unpacked, new[1], new[2]))
+
+
+@pytest.fixture(scope="module")
+def w4a8_artifact(tiny_checkpoints, tmp_path_factory):
+    from npuport.convert.converter import convert_qwen35
+    from npuport.convert.recipe import recipe_path_for
+
+    return convert_qwen35(tiny_checkpoints["moe-text-per-expert"], tmp_path_factory.mktemp("w4a8") / "artifact",
+                          recipe_path=recipe_path_for("qwen3_5_moe_w4a8"), show_progress=False,
+                          log=lambda _: None).out
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_a_w4a8_artifact_on_gpu_reads_packed_experts_and_keeps_greedy_mtp_equal_to_greedy(dtype, w4a8_artifact,
+                                                                                          monkeypatch):
+    """On a GPU the loader keeps W4A8 experts packed (half the bytes); greedy MTP (k = 1, 3) == greedy. Against the
+    same artifact with the experts unpacked at load: the routed experts give the int8 kernels' bits, but the BF16
+    shared expert riding in the same launches sums its float products in the order each compiled kernel picks (seen
+    on an H200: 1 fp32 ulp, 1 bf16 ulp on some outputs) - which can move an int8 value of the next W8A8 layer's
+    tokens: float32 logits agree within 1e-2 (2.9e-4 seen); bf16, which these random tiny models amplify (see the
+    module's docstring), is not compared. The interpreted kernels' test compares the tokens exactly
+    (tests/test_kernels_int4_matvec.py)."""
+    import npuport.runtime.loader as loader_module
+
+    model = load_model(w4a8_artifact, CUDA, dtype)
+    moe = [layer.mlp.experts for layer in model.layers if isinstance(layer.mlp, runtime_model.MoE)]
+    assert moe and all(experts.int4 for experts in moe)
+    with monkeypatch.context() as patch:
+        patch.setattr(loader_module, "keeps_int4_packed", lambda device, parallel: False)
+        unpacked = load_model(w4a8_artifact, CUDA, dtype)
+    assert not any(layer.mlp.experts.int4 for layer in unpacked.layers if isinstance(layer.mlp, runtime_model.MoE))
+    plain = generate(model, PROMPTS, 40, invariant=True)
+    if dtype == torch.float32:
+        assert rel(forward_logits(model, PROMPTS)[0], forward_logits(unpacked, PROMPTS)[0]) < 1e-2
+    for k in (1, 3):
+        assert generate(model, PROMPTS, 40, mtp=k).tokens == plain.tokens, f"mtp={k}"
 
 
 @pytest.mark.parametrize("kind", ["dense-multimodal", "w8a8:dense-text", "moe-text-per-expert",

@@ -2,7 +2,8 @@
 against, and what the runtime runs where Triton does not (CPU, float64).
 
 W4A8_DYNAMIC experts (msModelSlim's int4 weights q in [-8, 7], per-channel scale s_w, int8 tokens per token) come
-here as int8 experts: the loader unpacks the int4 pairs to int8 values, so a projection is y[n] = s_x * s_w[n] *
+here as int8 experts - unpacked at load, or kept packed (StackedExperts.int4, where the matvec kernels read them as
+int4) and unpacked here, per call - so a projection is y[n] = s_x * s_w[n] *
 sum_k x_q[k] * q[n, k], summed exactly in int32 - what the engines' W4A8 MoE methods amount to. vllm-ascend
 (quantization/methods/w4a8.py, ops/fused_moe/moe_mlp.py) and sglang (hardware_backend/npu/quantization: its W4A8 MoE
 methods) keep the weight as int4 (two values a byte, viewed as int32 for the operator), turn the float32 scale into
@@ -14,8 +15,8 @@ value is cut into two int4 halves, its low half moved from [0, 15] to [-8, 7] (x
 both run on int4 x int4 units - and it is kept per K slice (16 for down_proj) because each rank of a row-parallel
 projection adds its own slice's. With it, their result is the same s_x * s_w * sum_k x_q q, up to float32 rounding;
 an exact int8 product has nothing to add back (the loader checks scale_bias against its definition and leaves it).
-sglang's newer method passes scale_bias only with its activation-clip option. Here the int4 values take int8 bytes:
-a kernel that reads them as int4 from memory is a later step."""
+sglang's newer method passes scale_bias only with its activation-clip option. The matvec kernels read packed int4
+experts as int4 (matvec.py); this reference unpacks them and runs the int8 arithmetic."""
 
 from __future__ import annotations
 
@@ -36,7 +37,9 @@ def expert_mlp_reference(x: torch.Tensor, experts: StackedExperts, e: int,
     """Expert e on tokens x [R, H] -> [R, H] in x's dtype: down(silu(gate(x)) * up(x)), each product rounded
     to x's dtype as separate linear layers round it. W8A8 experts quantize x per token - or take x_int8 =
     (values int8 [R, H], scales fp32 [R, 1]), tokens that arrived quantized, of which x gives only the dtype -
-    and the intermediate again before the down projection."""
+    and the intermediate again before the down projection. int4 experts: unpacked (StackedExperts.unpacked), then
+    as int8 ones."""
+    experts = experts.unpacked()
     i = experts.intermediate
     if not experts.quantized:
         gate, up = F.linear(x, experts.gate_up[e, :i]), F.linear(x, experts.gate_up[e, i:])
@@ -55,7 +58,8 @@ def fused_experts_reference(x: torch.Tensor, experts: StackedExperts, weights: t
     """x [M, H]; weights [M, top_k] (x's dtype); expert_ids [M, top_k] -> [M, H] in x's dtype: for each token the
     sum over its slots of weight * expert output (each product rounded to x's dtype), see sum_slots. shared =
     (one expert, weight [M, 1]): that expert as one more slot after the routed ones. x_int8: the tokens as they
-    arrived quantized, for W8A8 experts (expert_mlp_reference)."""
+    arrived quantized, for W8A8 experts (expert_mlp_reference). int4 experts are unpacked once for the call."""
+    experts = experts.unpacked()
     m, top_k = expert_ids.shape
     per_slot = torch.zeros(m, top_k + (shared is not None), x.shape[1], dtype=x.dtype, device=x.device)
     for e in expert_ids.unique().tolist():

@@ -27,6 +27,10 @@ SHARED_WAYS = (SLOT, MATVEC, REFERENCE)
 # serve every row of an expert at once. At the 35B-A3B widths on an H200 the matvec kernels were 1.4-2x faster at
 # 128 pairs (bench/RESULTS.md).
 MATVEC_MAX_PAIRS = 128
+# int4 experts: the grouped GEMMs take them unpacked by PyTorch for the call (run.py), 1.2-1.4 ms a 35B-A3B layer on
+# an H200 whatever the tokens, where the int4 matvec kernels took 208 us at 256 pairs (32 tokens): they serve twice
+# as many pairs.
+INT4_MATVEC_MAX_PAIRS = 256
 
 
 @dataclass(frozen=True)
@@ -73,8 +77,9 @@ def plan_experts(x: torch.Tensor, experts: StackedExperts, expert_ids: torch.Ten
     x [M, H] (only its shape, dtype and device are read); expert_ids [M, top_k]; shared: one expert (E = 1);
     tokens_int8: the tokens arrive quantized too (int8 dispatch); plan_tokens: plan as for that many tokens (each
     token's bits then do not depend on M, for M up to plan_tokens: batch-invariant steps); default M."""
-    # a batch-invariant step (plan_tokens) has no native form: the grouped matmul tiles by the call's rows
-    native = None if plan_tokens is not None else lambda: moe_experts_refusal(x, experts, shared)
+    # a batch-invariant step (plan_tokens) has no native form: the grouped matmul tiles by the call's rows; packed
+    # int4 experts neither: the loader unpacks them where torch-npu's operators run them
+    native = None if plan_tokens is not None or experts.int4 else lambda: moe_experts_refusal(x, experts, shared)
     chosen = runnable("moe_experts", x.device, native=native, triton=use_triton(x))
     if chosen == TRITON:
         return plan_experts_triton(x, experts, expert_ids, shared=shared, tokens_int8=tokens_int8,
@@ -86,13 +91,16 @@ def plan_experts(x: torch.Tensor, experts: StackedExperts, expert_ids: torch.Ten
 
 def plan_experts_triton(x: torch.Tensor, experts: StackedExperts, expert_ids: torch.Tensor, *,
                         shared: StackedExperts | None = None, tokens_int8: bool = False,
-                        plan_tokens: int | None = None, matvec_max_pairs: int = MATVEC_MAX_PAIRS) -> ExpertPlan:
+                        plan_tokens: int | None = None, matvec_max_pairs: int | None = None) -> ExpertPlan:
     """The Triton kernels' plan (any device; CPU tensors run in Triton's interpreter), arguments as plan_experts':
-    the matvec kernels up to matvec_max_pairs routed pairs of the planned tokens, the grouped GEMMs beyond. A
+    the matvec kernels up to matvec_max_pairs routed pairs of the planned tokens (default MATVEC_MAX_PAIRS, for int4
+    experts INT4_MATVEC_MAX_PAIRS), the grouped GEMMs beyond. A
     shared expert of the routed ones' layout (shares_layout) is one more slot - in the matvec kernels, or beside
     the grouped GEMMs - so that a decode step and a verify step round alike; another is added after the routed
     sum, by matvec launches of its own for few tokens."""
     m, top_k = expert_ids.shape
+    if matvec_max_pairs is None:
+        matvec_max_pairs = INT4_MATVEC_MAX_PAIRS if experts.int4 else MATVEC_MAX_PAIRS
     planned = m if plan_tokens is None else max(m, plan_tokens)
     arrived_int8 = tokens_int8 and experts.quantized
     slot = shared is not None and shares_layout(experts, shared)
@@ -106,7 +114,7 @@ def plan_experts_triton(x: torch.Tensor, experts: StackedExperts, expert_ids: to
         # int8 experts quantize float tokens in the matvec kernels themselves (the same values); a float shared
         # expert riding along needs them float
         float_rider = slot and not shared.quantized
-        tiles = matvec_config(planned * (top_k + int(slot)), x.device)
+        tiles = matvec_config(planned * (top_k + int(slot)), x.device, int4=experts.int4)
         return ExpertPlan(MATVEC, shared_way, arrived_int8 and not float_rider, matvec=tiles,
                           shared_matvec=shared_tiles)
     tiles = grouped_config(planned * top_k, experts.num_experts, x.device)

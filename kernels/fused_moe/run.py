@@ -2,8 +2,11 @@
 verify) two matvec launches (matvec.py: gate/up with silu(gate) * up fused, down with the routing weight and the
 top-k sum fused); for many (prefill) the rows grouped by expert, two grouped GEMMs (grouped_gemm.py) and the top-k
 sum; on an NPU torch-npu's MoE operators (kernels/npu/moe.py); elsewhere the per-expert PyTorch loop (naive.py).
-W8A8 experts add the per-token quantization of the tokens and of the intermediate. fused_experts is the one entry
-the model calls."""
+W8A8 experts add the per-token quantization of the tokens and of the intermediate. W4A8 experts kept packed
+(StackedExperts.int4) are read as int4 by the matvec kernels; the grouped GEMMs (prefill, large batches) take them
+unpacked by PyTorch on every call - an int8 copy of the layer's experts for the call's duration, never kept (memory
+is what packing saves) - correct and slower than a grouped int4 GEMM would be. fused_experts is the one entry the
+model calls."""
 
 from __future__ import annotations
 
@@ -30,10 +33,11 @@ def fused_experts(x: torch.Tensor, experts: StackedExperts, weights: torch.Tenso
     plus shared_weight * shared(x) with a shared expert (fused_experts_reference's sum; how it is rounded:
     plan_experts).
 
-    x [M, H] float; experts: StackedExperts (BF16 / float, or W8A8 int8 with per-channel scales); weights [M, top_k]
-    in x's dtype (renormalised); expert_ids [M, top_k] int64; shared = (expert, weight [M, 1]); x_int8 = (values
-    int8 [M, H], scales fp32 [M, 1]): x already quantized per token (int8 dispatch), for W8A8 experts - the values
-    they would compute from x; plan_tokens: plan as for that many tokens (plan_experts)."""
+    x [M, H] float; experts: StackedExperts (BF16 / float, W8A8 int8 with per-channel scales, or W4A8 int4 packed
+    in int8 bytes); weights [M, top_k] in x's dtype (renormalised); expert_ids [M, top_k] int64; shared = (expert,
+    weight [M, 1]); x_int8 = (values int8 [M, H], scales fp32 [M, 1]): x already quantized per token (int8
+    dispatch), for W8A8 / W4A8 experts - the values they would compute from x; plan_tokens: plan as for that many
+    tokens (plan_experts)."""
     plan = plan_experts(x, experts, expert_ids, shared=None if shared is None else shared[0],
                         tokens_int8=x_int8 is not None, plan_tokens=plan_tokens)
     return run_experts(plan, x, experts, weights, expert_ids, shared=shared, x_int8=x_int8)
@@ -81,7 +85,9 @@ def _matvec_path(plan: ExpertPlan, x: torch.Tensor, experts: StackedExperts, wei
 def _grouped_path(plan: ExpertPlan, x: torch.Tensor, experts: StackedExperts, weights: torch.Tensor,
                   expert_ids: torch.Tensor, rider: SharedExpert | None, x_int8: Int8Tokens | None) -> torch.Tensor:
     """Gate/up and down as two grouped GEMMs over the rows grouped by expert, then the top-k sum (the shared
-    expert's product, by PyTorch, one more slot of it)."""
+    expert's product, by PyTorch, one more slot of it). int4 experts are unpacked for the call (PyTorch, see the
+    module's docstring)."""
+    experts = experts.unpacked()
     m, top_k = expert_ids.shape
     if plan.int8_tokens:
         tokens, token_scales = x_int8[0], x_int8[1].reshape(-1)

@@ -1,0 +1,247 @@
+"""The matvec expert kernels reading W4A8 experts as packed int4 (StackedExperts.int4): against the int8 kernels on
+the unpacked weights (bit for bit: the same int32 sums, the same epilogue), against a float64 loop over the
+dequantized weights, at the nibbles' edge values, with K and N not multiples of the tiles - run on CPU tensors
+through Triton's interpreter at small widths. The unpacking is checked against convert/w4a8.py's packing and
+against a nibble decode written out here."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+triton = pytest.importorskip("triton")
+
+from npuport.convert.w4a8 import pack_int4  # noqa: E402
+from npuport.kernels.fused_moe import (  # noqa: E402
+    GROUPED,
+    MATVEC,
+    SLOT,
+    MatvecConfig,
+    StackedExperts,
+    fused_experts_reference,
+    matvec_config,
+    matvec_down,
+    matvec_experts,
+    matvec_gate_up,
+    plan_experts,
+    plan_experts_triton,
+    run_experts,
+    shares_layout,
+)
+from npuport.kernels.fused_moe.experts import unpack_int4_rows  # noqa: E402
+from npuport.kernels.w8a8 import quantize_per_token_int8_reference  # noqa: E402
+
+# K = 48 and 40 are not multiples of the K tile of 32 (masked tails); N = 2 * 12 gate/up rows and 40 down rows are
+# not multiples of the 8-row column tiles (masked row pairs).
+HIDDEN, INTER, EXPERTS = 40, 12, 5
+TILES = [MatvecConfig(gate_up_bn=8, down_bn=8, bk=32), MatvecConfig(gate_up_bn=2, down_bn=2, bk=16)]
+
+
+def decode_nibbles(packed: torch.Tensor) -> torch.Tensor:
+    """int8 [..., N/2, K] -> int64 [..., N, K], written out: byte j's low nibble is row 2j, its high one row 2j + 1,
+    each 0..7 as is and 8..15 as -8..-1."""
+    unsigned = packed.to(torch.int64) & 0xFF
+    nibbles = torch.stack((unsigned & 0xF, unsigned >> 4), dim=-2).reshape(*packed.shape[:-2], -1, packed.shape[-1])
+    return torch.where(nibbles >= 8, nibbles - 16, nibbles)
+
+
+def int4_experts(experts: int, seed: int, hidden: int = HIDDEN, inter: int = INTER, edge: bool = False
+                 ) -> tuple[StackedExperts, StackedExperts]:
+    """(int4 experts, the int8 experts of the same values): random int4 values, or (edge) only -8 and 7; random
+    positive per-channel scales. Packed by convert/w4a8.py's pack_int4, one projection at a time."""
+    gen = torch.Generator().manual_seed(seed)
+
+    def values(*shape):
+        if edge:
+            return torch.where(torch.rand(*shape, generator=gen) < 0.5, -8, 7).to(torch.int8)
+        return torch.randint(-8, 8, shape, generator=gen, dtype=torch.int8)
+
+    gate_up, down = values(experts, 2 * inter, hidden), values(experts, hidden, inter)
+    gate_up_scale = torch.rand(experts, 2 * inter, generator=gen) * 0.02 + 1e-3
+    down_scale = torch.rand(experts, hidden, generator=gen) * 0.02 + 1e-3
+    packed_gate_up = torch.stack([torch.cat([pack_int4(w[:inter]), pack_int4(w[inter:])]) for w in gate_up])
+    packed_down = torch.stack([pack_int4(w) for w in down])
+    return (StackedExperts(packed_gate_up, packed_down, gate_up_scale, down_scale, int4=True),
+            StackedExperts(gate_up, down, gate_up_scale, down_scale))
+
+
+def routing(m: int, top_k: int, experts: int, seed: int) -> tuple[torch.Tensor, torch.Tensor]:
+    gen = torch.Generator().manual_seed(seed)
+    ids = torch.stack([torch.randperm(experts, generator=gen)[:top_k] for _ in range(m)])
+    return ids, torch.softmax(torch.randn(m, top_k, generator=gen), -1).bfloat16()
+
+
+def float64_loop(x: torch.Tensor, experts: StackedExperts, weights: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
+    """The experts in float64 on their dequantized weights (int4 value x scale), float tokens: what W4A8 approximates
+    (the int8 activations are the difference)."""
+    q_gate_up = decode_nibbles(experts.gate_up).double() * experts.gate_up_scale.double()[..., None]
+    q_down = decode_nibbles(experts.down).double() * experts.down_scale.double()[..., None]
+    out = torch.zeros(x.shape[0], q_down.shape[1], dtype=torch.float64)
+    for t in range(x.shape[0]):
+        for s in range(ids.shape[1]):
+            e = int(ids[t, s])
+            gate, up = (q_gate_up[e] @ x[t].double()).chunk(2)
+            out[t] += weights[t, s].double() * (q_down[e] @ (F.silu(gate) * up))
+    return out
+
+
+def test_unpacking_gives_the_values_convert_packed():
+    packed, unpacked = int4_experts(3, seed=1)
+    assert torch.equal(unpack_int4_rows(packed.gate_up), unpacked.gate_up)
+    assert torch.equal(unpack_int4_rows(packed.down), unpacked.down)
+    assert torch.equal(decode_nibbles(packed.down), unpacked.down.long())
+    edge, _ = int4_experts(1, seed=2, edge=True)
+    assert set(unpack_int4_rows(edge.gate_up).unique().tolist()) == {-8, 7}
+    assert (packed.hidden, packed.intermediate, packed.unpacked().gate_up.shape) == (HIDDEN, INTER,
+                                                                                     unpacked.gate_up.shape)
+
+
+@pytest.mark.parametrize("config", TILES, ids=["bn8 bk32", "bn2 bk16"])
+@pytest.mark.parametrize("tokens", ["float", "int8"])
+@pytest.mark.parametrize("edge", [False, True], ids=["random", "edge -8 7"])
+def test_int4_matvec_gives_the_int8_kernels_bits_on_the_unpacked_weights(config, tokens, edge):
+    """gate/up and down, and both launches together: the int4 kernels on packed bytes == the int8 kernels on the
+    unpacked values, every bit - from float tokens (quantized in the kernel) and from tokens quantized beforehand;
+    with edge values the int32 sums reach their extremes (|x_q| 127 or 128 times 8)."""
+    m, top_k = 3, 2
+    packed, unpacked = int4_experts(EXPERTS, seed=3, edge=edge)
+    gen = torch.Generator().manual_seed(4)
+    x = torch.randn(m, HIDDEN, generator=gen).bfloat16()
+    if edge:
+        x[0] = torch.where(torch.arange(HIDDEN) % 2 == 0, -1.0, 1.0)  # int8 values +-127 over the whole row
+    ids, weights = routing(m, top_k, EXPERTS, seed=5)
+    if tokens == "int8":
+        x_q, x_s = quantize_per_token_int8_reference(x)
+        a, a_scale = x_q, x_s.reshape(-1)
+    else:
+        a, a_scale = x, None
+    h = matvec_gate_up(a, a_scale, packed, ids, torch.bfloat16, config)
+    assert torch.equal(h, matvec_gate_up(a, a_scale, unpacked, ids, torch.bfloat16, config))
+    h_q, h_s = quantize_per_token_int8_reference(h)
+    for rows, row_scale in ((h, None), (h_q, h_s.reshape(-1))):
+        got = matvec_down(rows, row_scale, packed, ids, weights, torch.bfloat16, config)
+        assert torch.equal(got, matvec_down(rows, row_scale, unpacked, ids, weights, torch.bfloat16, config))
+    got = matvec_experts(a, a_scale, packed, ids, weights, torch.bfloat16, config)
+    assert torch.equal(got, matvec_experts(a, a_scale, unpacked, ids, weights, torch.bfloat16, config))
+
+
+@pytest.mark.parametrize(("hidden", "inter", "config"), [(HIDDEN, INTER, TILES[0]), (64, 32, matvec_config(1)),
+                                                         (48, 16, MatvecConfig(4, 4, 32))])
+def test_int4_matvec_equals_the_reference_and_the_float64_loop(hidden, inter, config):
+    """The int4 kernels against the package's reference (unpack, then the int8 arithmetic: equal but for a silu
+    ulp moving an int8 intermediate, rarely) and against float64 on the dequantized weights (the int8 tokens and
+    intermediate are the difference: well under a tenth in relative L2)."""
+    m, top_k = 4, 3
+    packed, _ = int4_experts(EXPERTS, seed=hidden + inter, hidden=hidden, inter=inter)
+    gen = torch.Generator().manual_seed(6)
+    x = torch.randn(m, hidden, generator=gen).bfloat16()
+    ids, weights = routing(m, top_k, EXPERTS, seed=7)
+    got = matvec_experts(x, None, packed, ids, weights, torch.bfloat16, config)
+    reference = fused_experts_reference(x, packed, weights, ids)
+    torch.testing.assert_close(got.float(), reference.float(), atol=1e-2, rtol=1e-2)
+    assert (got == reference).float().mean() >= 0.98
+    exact = float64_loop(x, packed, weights, ids)
+    assert ((got.double() - exact).norm() / exact.norm()).item() < 0.05
+
+
+def test_the_plan_runs_int4_experts_on_the_matvec_kernels_and_unpacks_them_for_the_grouped_gemms():
+    """Decode-sized calls take the int4 matvec kernels; larger ones the grouped GEMMs on the unpacked experts, with
+    the bits of the int8 experts' grouped GEMMs; off Triton the reference unpacks them."""
+    packed, unpacked = int4_experts(EXPERTS, seed=8)
+    gen = torch.Generator().manual_seed(9)
+    x = torch.randn(6, HIDDEN, generator=gen).bfloat16()
+    ids, weights = routing(6, 2, EXPERTS, seed=10)
+    for path, most in ((MATVEC, 128), (GROUPED, 0)):
+        plan = plan_experts_triton(x, packed, ids, matvec_max_pairs=most)
+        assert plan.path == path
+        assert torch.equal(run_experts(plan, x, packed, weights, ids), run_experts(plan, x, unpacked, weights, ids))
+    off_triton = plan_experts(x, packed, ids)  # CPU: the reference
+    assert torch.equal(run_experts(off_triton, x, packed, weights, ids),
+                       fused_experts_reference(x, unpacked, weights, ids))
+
+
+@pytest.mark.parametrize("m", [1, 5])
+def test_a_float_shared_expert_rides_along_with_int4_experts(m):
+    """The W4A8 recipe keeps the shared expert BF16: one more slot of the int4 launches, as beside int8 experts -
+    the bits of the int8 experts with the same rider, in the interpreter (compiled for a GPU, the float slot's sum
+    may take another order in each kernel: tests/test_kernels_on_gpu.py)."""
+    packed, unpacked = int4_experts(EXPERTS, seed=11)
+    gen = torch.Generator().manual_seed(12)
+    shared = StackedExperts((torch.randn(1, 2 * INTER, HIDDEN, generator=gen) * 0.1).bfloat16(),
+                            (torch.randn(1, HIDDEN, INTER, generator=gen) * 0.1).bfloat16())
+    assert shares_layout(packed, shared) and shares_layout(unpacked, shared)
+    assert not shares_layout(packed, StackedExperts(shared.gate_up[:, :INTER], shared.down[:, : HIDDEN // 2]))
+    x = torch.randn(m, HIDDEN, generator=gen).bfloat16()
+    ids, weights = routing(m, 2, EXPERTS, seed=13)
+    shared_weight = torch.rand(m, 1, generator=gen).bfloat16()
+    plan = plan_experts_triton(x, packed, ids, shared=shared)
+    assert (plan.path, plan.shared) == (MATVEC, SLOT)
+    got = run_experts(plan, x, packed, weights, ids, shared=(shared, shared_weight))
+    assert torch.equal(got, run_experts(plan, x, unpacked, weights, ids, shared=(shared, shared_weight)))
+
+
+def test_int4_experts_need_tiles_of_whole_row_pairs():
+    packed, _ = int4_experts(2, seed=14)
+    ids, weights = routing(1, 1, 2, seed=15)
+    with pytest.raises(ValueError, match="row pair"):
+        matvec_experts(torch.zeros(1, HIDDEN).bfloat16(), None, packed, ids, weights, torch.bfloat16,
+                       MatvecConfig(gate_up_bn=1, down_bn=1, bk=16))
+
+
+# --- the runtime on a W4A8 artifact, its experts kept packed as on a GPU -------------------------------------------
+
+PROMPTS = [[31, 7, 1500, 42, 9], [1000, 3, 77, 640, 12, 18, 901]]
+MAX_NEW = 6
+# Interpreted, every program runs in Python: tiles as wide as the tiny model's rows keep the programs few (the
+# kernels' masks, slots and nibbles are the same at any tile).
+INTERPRETER_TILES = MatvecConfig(gate_up_bn=32, down_bn=32, bk=128)
+
+
+@pytest.fixture(scope="module")
+def w4a8_artifact(tiny_checkpoints, tmp_path_factory):
+    from npuport.convert.converter import convert_qwen35
+    from npuport.convert.recipe import recipe_path_for
+
+    return convert_qwen35(tiny_checkpoints["moe-text-per-expert"], tmp_path_factory.mktemp("w4a8") / "artifact",
+                          recipe_path=recipe_path_for("qwen3_5_moe_w4a8"), show_progress=False,
+                          log=lambda _: None).out
+
+
+def experts_as_on_a_gpu(monkeypatch) -> None:
+    """The MoE experts' plan as on a GPU - the Triton kernels, interpreted on CPU tensors, INTERPRETER_TILES - every
+    other operator still its CPU reference (all of them interpreted would take minutes)."""
+    import npuport.kernels.fused_moe.plan as plan_module
+    from npuport.kernels.implementations import REFERENCE, TRITON
+
+    monkeypatch.setattr(plan_module, "use_triton", lambda *ts: all(t.dtype != torch.float64 for t in ts))
+    monkeypatch.setattr(plan_module, "runnable", lambda op, device, native, triton: TRITON if triton else REFERENCE)
+    monkeypatch.setattr(plan_module, "matvec_config", lambda pairs, device=None, int4=False: INTERPRETER_TILES)
+
+
+def test_a_w4a8_artifact_decodes_the_same_tokens_from_packed_int4_experts(w4a8_artifact, monkeypatch,
+                                                                         one_cpu_thread):
+    """The loader keeps the experts packed where the int4 kernels run (forced here on CPU): half the expert bytes,
+    the int8 experts' logits bit for bit (both through the kernels), the greedy tokens of the CPU path that unpacks
+    them at load (its references), and greedy MTP == greedy."""
+    import npuport.runtime.loader as loader_module
+    from npuport.runtime.generate import forward_logits, generate
+    from npuport.runtime.loader import load_model
+    from npuport.runtime.model import MoE
+
+    unpacked = load_model(w4a8_artifact, "cpu", torch.float32)
+    cpu_tokens = generate(unpacked, PROMPTS, MAX_NEW).tokens
+    monkeypatch.setattr(loader_module, "keeps_int4_packed", lambda device, parallel: True)
+    packed = load_model(w4a8_artifact, "cpu", torch.float32)
+    layers = [(a.mlp.experts, b.mlp.experts) for a, b in zip(packed.layers, unpacked.layers, strict=True)
+              if isinstance(a.mlp, MoE)]
+    assert layers and all(p.int4 and not u.int4 for p, u in layers)
+    for p, u in layers:
+        assert p.gate_up_proj.nbytes * 2 == u.gate_up_proj.nbytes and p.down_proj.nbytes * 2 == u.down_proj.nbytes
+        assert torch.equal(p.stacked().unpacked().gate_up, u.gate_up_proj)
+        assert torch.equal(p.gate_up_proj_scale, u.gate_up_proj_scale)
+    experts_as_on_a_gpu(monkeypatch)
+    assert torch.equal(forward_logits(packed, PROMPTS)[0], forward_logits(unpacked, PROMPTS)[0])
+    tokens = generate(packed, PROMPTS, MAX_NEW).tokens
+    assert tokens == cpu_tokens
+    assert generate(packed, PROMPTS, MAX_NEW, mtp=1).tokens == tokens
