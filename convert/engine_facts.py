@@ -77,6 +77,9 @@ CONDITIONS: dict[str, Callable[[Mapping[str, str], Mapping[str, Any]], bool]] = 
     # a BF16 source whose config.json declares another dtype than bfloat16 (vLLM serves it in that dtype by default)
     "bf16_source_declares_another_dtype": lambda labels, config: _bf16_source(labels)
     and _dtype(config) not in (None, "bfloat16"),
+    # a folder whose config.json names the text-only architecture (Qwen3_5ForCausalLM, Qwen3_5MoeForCausalLM)
+    "text_layout_architecture": lambda labels, config: any(
+        isinstance(a, str) and a.endswith("ForCausalLM") for a in config.get("architectures") or []),
     # an artifact with a vision block's linear layer quantized (msModelSlim's Qwen3.6 and 397B-A17B recipes)
     "quantized_vision_blocks": lambda labels, config: _quantized(labels, r"(^|\.)visual\.blocks\..*\.weight$"),
     # an artifact with a GatedDeltaNet layer's in_proj_qkv / in_proj_z quantized (msModelSlim's Qwen3.6 recipes)

@@ -2,8 +2,7 @@
 the parameter the engine builds for it, with the quantization it was written in. Artifacts are made here with
 make-tiny and convert-qwen35 (every shipped recipe); known engine failures are reproduced on the releases that have
 them, by the engine's own words. The engines are installed by tests/engine_loaders/install.sh; without them every
-test here fails with that command. sglang only: vllm-ascend 0.23 (its ModelSlim config and vLLM's Qwen3.5 name
-mapping) is not run yet."""
+test here fails with that command. sglang 0.5.23 and 0.5.18; vllm-ascend 0.23.0 with vLLM 0.23.0."""
 
 from __future__ import annotations
 
@@ -22,6 +21,7 @@ from npuport.convert.engine_facts import EngineTarget
 from npuport.convert.recipe import QUANTIZED
 
 NEWEST = "sglang==0.5.23"
+VLLM = "vllm-ascend==0.23.0"  # with vLLM 0.23.0, the release it targets
 OLD = "sglang==0.5.18"  # has sglang issues 34211 and 36423
 RECIPES = sorted((ROOT / "recipes").glob("*.yaml"))
 DENSE, MOE = ROOT / "recipes" / "qwen3_5_dense_w8a8.yaml", ROOT / "recipes" / "qwen3_5_moe_w8a8.yaml"
@@ -46,6 +46,10 @@ def _moe(recipe: Path) -> bool:
 CASES = [(r, "multimodal") for r in RECIPES] + [
     (next(r for r in RECIPES if not _moe(r)), "text"), (next(r for r in RECIPES if _moe(r)), "text")]
 GDN_RECIPE = next(r for r in RECIPES if "linear_attn.in_proj_qkv" in r.read_text(encoding="utf-8"))
+# default output (no --engine) x vllm-ascend: every recipe in the multimodal layout (every released Qwen3.5 is one),
+# and one dense and one MoE recipe in the text layout
+DEFAULT_CASES = [(r, "multimodal") for r in RECIPES] + [(DENSE, "text"), (MOE, "text")]
+VLLM_TEXT_REFUSED = "are not supported for now"
 
 
 def _rewrite(src: Path, dst: Path, change) -> Path:
@@ -91,6 +95,7 @@ def artifacts(tmp_path_factory) -> dict[tuple, Path]:
             _npuport("make-tiny", "--arch", arch, "--layout", layout, "--quiet", str(sources[arch, layout]))
     made: dict[tuple, Path] = {}
     wanted = [(r, lay, "sglang") for r, lay in CASES] + [(GDN_RECIPE, "text", None)]
+    wanted += [(r, lay, None) for r, lay in DEFAULT_CASES if (r, lay) != (GDN_RECIPE, "text")]
     for recipe, layout, engine in wanted:
         out = root / f"{recipe.stem}-{layout}-{engine or 'default'}"
         option = ["--engine", engine] if engine else []
@@ -100,6 +105,9 @@ def artifacts(tmp_path_factory) -> dict[tuple, Path]:
     dense = made[DENSE.name, "text", "sglang"]
     made["planted-float-label"] = _rewrite(dense, root / "planted-float-label", _relabel_a_down_proj_float)
     made["planted-renamed"] = _rewrite(dense, root / "planted-renamed", _rename_a_gdn_projection)
+    default = made[DENSE.name, "multimodal", None]
+    made["vllm-planted-float-label"] = _rewrite(default, root / "vllm-planted-float-label", _relabel_a_down_proj_float)
+    made["vllm-planted-renamed"] = _rewrite(default, root / "vllm-planted-renamed", _rename_a_gdn_projection)
     return made
 
 
@@ -112,7 +120,9 @@ def runs(artifacts) -> dict[tuple[str, str | None], dict[Path, object]]:
     gdn = artifacts[GDN_RECIPE.name, "text", None]
     planted = [artifacts["planted-float-label"], artifacts["planted-renamed"]]
     plan = {(NEWEST, "unquant"): [*engine_option, gdn, *planted], (NEWEST, None): [moe],
-            (OLD, "unquant"): [moe, gdn], (OLD, None): [moe]}
+            (OLD, "unquant"): [moe, gdn], (OLD, None): [moe],
+            (VLLM, None): [*(artifacts[r.name, lay, None] for r, lay in DEFAULT_CASES),
+                           artifacts["vllm-planted-float-label"], artifacts["vllm-planted-renamed"]]}
     return {(engine, draft): run_engine_many(arts, engine, draft_quantization=draft)
             for (engine, draft), arts in plan.items()}
 
@@ -215,3 +225,65 @@ def test_harness_sees_values_not_only_names():
     assert _rows_inside(param[2:4].clone(), param)
     assert not _rows_inside(param[2:4].flip(0).clone(), param)
     assert not _rows_inside(param[:, :2].clone(), param)
+
+
+@pytest.mark.parametrize("recipe,layout", [c for c in DEFAULT_CASES if c[1] == "multimodal"],
+                         ids=[r.stem for r, lay in DEFAULT_CASES if lay == "multimodal"])
+def test_default_output_loads_in_vllm_ascend(artifacts, runs, recipe, layout):
+    """`vllm serve ART --quantization ascend --speculative-config '{"method":"qwen3_5_mtp",...}'`, the MTP draft as
+    vllm-ascend's proposer builds it included: every tensor where the artifact says, int8 into the parameters of
+    vllm-ascend's W8A8_DYNAMIC method (also the Qwen3.6-27B recipe's in_proj_qkv / in_proj_z and vision blocks),
+    W4A8_DYNAMIC experts into its W4A8 MoE method, BF16 (the MTP head's experts too) into unquantized ones."""
+    art = artifacts[recipe.name, layout, None]
+    run = _run(runs, art, VLLM, None)
+    _assert_loads(run)
+    labels = _labels(art)
+    for name, v in run.verdicts.items():
+        if name.endswith("bias"):
+            continue
+        quantized = "Dynamic" in (v.method or "")
+        assert quantized == (labels[name] in QUANTIZED) or v.method == "none", (
+            f"{name}: labelled {labels[name]}, built with {v.method}")
+        if labels[name] == "W4A8_DYNAMIC":
+            assert "W4A8DynamicFusedMoE" in v.method, f"{name}: labelled W4A8_DYNAMIC, built with {v.method}"
+
+
+def test_vllm_refuses_the_text_layout_with_qwen3_5_mtp(artifacts, runs):
+    """vLLM 0.23 registers Qwen3.5 only as Qwen3_5(Moe)ForConditionalGeneration (and the MTP classes): for an
+    artifact of the text layout (architectures Qwen3_5ForCausalLM / Qwen3_5MoeForCausalLM, model type
+    qwen3_5_text) the speculative config keeps the target's architecture for the draft and refuses it, before any
+    weight is read."""
+    for recipe in (DENSE, MOE):
+        run = _run(runs, artifacts[recipe.name, "text", None], VLLM, None)
+        assert VLLM_TEXT_REFUSED in (run.models["target"]["error"] or ""), run.summary()
+        assert {v.status for v in run.verdicts.values()} == {"refused"}, run.summary()
+
+
+def test_vllm_mtp_draft_under_its_own_model_type(artifacts, runs):
+    """The draft built under its own model config (model type qwen3_5_mtp), with a quantization config made anew and
+    the target's hf_to_vllm_mapper applied, loads the mtp.* tensors as the proposer's build does: vLLM 0.23.0's
+    Qwen3.5 mapper renames only model.visual., model.language_model. and lm_head., so mtp.fc.weight keeps its entry
+    (a KeyError 'mtp.fc.weight' would need a mapper that renames or drops mtp.*; not seen in this release)."""
+    for recipe in (DENSE, MOE):
+        art = artifacts[recipe.name, "multimodal", None]
+        run = _run(runs, art, VLLM, None)
+        own = run.extra["mtp-own-type"]
+        assert own["error"] is None, own["error"]
+        mtp = {n: t for n, t in own["tensors"].items() if n.startswith("mtp.")}
+        assert mtp and all(t["status"] == "loaded" for t in mtp.values()), mtp
+        assert own["tensors"]["mtp.fc.weight"]["method"] == run.verdicts["mtp.fc.weight"].method
+
+
+def test_vllm_planted_float_label_on_int8_tensor_fails(artifacts, runs):
+    art = artifacts["vllm-planted-float-label"]
+    run = _run(runs, art, VLLM, None)
+    layer = next(n.removesuffix(".weight") for n, v in _labels(art).items()
+                 if v == "FLOAT" and n.endswith("mlp.down_proj.weight") and load_file(
+                     next(art.glob("*.safetensors")))[n].dtype == torch.int8)
+    assert run.verdicts[layer + ".weight"].status == "dtype-mismatch", run.summary()
+    assert run.verdicts[layer + ".weight_scale"].status in ("unknown", "dropped", "dtype-mismatch"), run.summary()
+
+
+def test_vllm_planted_renamed_fused_projection_fails(artifacts, runs):
+    run = _run(runs, artifacts["vllm-planted-renamed"], VLLM, None)
+    assert run.failures(), run.summary()

@@ -10,7 +10,7 @@ import json
 import os
 import subprocess
 import sys
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
@@ -18,7 +18,7 @@ ROOT = HERE.parent.parent
 ENGINES_DIR = ROOT / ".engines"
 INSTALL = "bash tests/engine_loaders/install.sh"
 # engine release -> the runner script that loads an artifact with it
-RUNNERS = {"sglang": "sglang_load.py"}
+RUNNERS = {"sglang": "sglang_load.py", "vllm-ascend": "vllm_ascend_load.py"}
 # (status, best first when several models of one engine saw one tensor: mtp.* is dropped by the target and loaded
 # by the draft)
 ORDER = ("dtype-mismatch", "garbage", "unknown", "loaded", "refused", "dropped")
@@ -43,6 +43,7 @@ class EngineRun:
     engine: str  # e.g. "sglang==0.5.23"
     models: dict  # model tag ("target", "mtp-draft") -> the runner's record (error, architecture, tensors, ...)
     verdicts: dict[str, Verdict]
+    extra: dict = field(default_factory=dict)  # what the runner records besides the verdicts (models built to compare)
 
     def failures(self) -> dict[str, Verdict]:
         return {n: v for n, v in self.verdicts.items() if v.status in FAILURES}
@@ -73,9 +74,9 @@ def pinned_engines() -> list[str]:
 
 def run_engine_many(arts: list[Path], engine: str, *, draft_quantization: str | None = "unquant",
                     timeout: float = 900) -> dict[Path, EngineRun]:
-    """Load each artifact of `arts` with the engine release `engine` ("sglang==0.5.23"), all in one subprocess (the
-    engine imported once). `draft_quantization`: sglang's --speculative-draft-model-quantization for the MTP draft
-    (None: the flag unset)."""
+    """Load each artifact of `arts` with the engine release `engine` ("sglang==0.5.23", "vllm-ascend==0.23.0"), all in
+    one subprocess (the engine imported once). `draft_quantization`: sglang's --speculative-draft-model-quantization
+    for the MTP draft (None: the flag unset; vllm-ascend has no such flag: None)."""
     name, _, _ = engine.partition("==")
     folder = engine_folder(engine)
     if not (folder / ".installed").is_file():
@@ -90,7 +91,9 @@ def run_engine_many(arts: list[Path], engine: str, *, draft_quantization: str | 
         raise AssertionError(f"{engine} loader harness failed (exit {done.returncode}):\n{done.stderr[-4000:]}")
     record = json.loads(done.stdout)
     assert record["version"] == engine.partition("==")[2], f"{folder} holds {record['version']}, not {engine}"
-    return {art: EngineRun(engine, record["runs"][str(art)], _combine(record["runs"][str(art)])) for art in arts}
+    extra = record.get("extra", {})
+    return {art: EngineRun(engine, record["runs"][str(art)], _combine(record["runs"][str(art)]),
+                           extra.get(str(art), {})) for art in arts}
 
 
 def run_engine(art: Path, engine: str, *, draft_quantization: str | None = "unquant",

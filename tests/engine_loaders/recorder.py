@@ -48,6 +48,9 @@ def _quant_method(model: torch.nn.Module, param_name: str) -> str:
         scheme = getattr(module, attr, None)
         if scheme is not None:
             parts.append(type(scheme).__name__)
+    scheme = getattr(method, "quant_method", None)  # vllm-ascend's method adapters hold their scheme there
+    if scheme is not None and not isinstance(scheme, (str, type(None))):
+        parts.append(type(scheme).__name__)
     return "/".join(parts)
 
 

@@ -4,6 +4,8 @@ loading a parameter, and calling one raises. This is the only code of the harnes
 
 from __future__ import annotations
 
+import importlib.abc
+import importlib.machinery
 import sys
 import types
 
@@ -21,6 +23,75 @@ class _Kernels(types.ModuleType):
         if name.startswith("__"):
             raise AttributeError(name)
         return _kernel
+
+
+class _StandIn:
+    """Any attribute of a stand-in package: another stand-in; calling one raises. `A | None` in an annotation
+    evaluated at import time works on it."""
+
+    def __init__(self, name: str) -> None:
+        self._name = name
+
+    def __getattr__(self, name: str):
+        if name.startswith("__"):
+            raise AttributeError(name)
+        return _StandIn(f"{self._name}.{name}")
+
+    def __call__(self, *args, **kwargs):
+        raise RuntimeError(f"{self._name}: a stand-in of the loader harness was called (it never runs a kernel)")
+
+    def __or__(self, other):
+        return self
+
+    __ror__ = __or__
+
+
+class _StandInModule(types.ModuleType):
+    def __getattr__(self, name: str):
+        if name.startswith("__"):
+            raise AttributeError(name)
+        return _StandIn(f"{self.__name__}.{name}")
+
+
+class _StandInFinder(importlib.abc.MetaPathFinder, importlib.abc.Loader):
+    """Imports of these packages (and any module under them) give stand-in modules."""
+
+    def __init__(self, roots: tuple[str, ...]) -> None:
+        self.roots = set(roots)
+
+    def find_spec(self, name, path, target=None):
+        if name.partition(".")[0] in self.roots:
+            return importlib.machinery.ModuleSpec(name, self, is_package=True)
+        return None
+
+    def create_module(self, spec):
+        module = _StandInModule(spec.name)
+        module.__path__ = []
+        return module
+
+    def exec_module(self, module) -> None:
+        pass
+
+
+def install_npu_stand_ins() -> None:
+    """For vllm-ascend, whose modules import torch_npu (the Ascend build of torch: needs CANN and an NPU) and use
+    `torch.npu` (which torch_npu adds to torch) at import time:
+    - torch_npu and every module under it: stand-in modules; any attribute is a stand-in and calling one raises
+      (vllm-ascend calls them in kernels and stream handling only).
+    - torch.npu: the same, except is_available() -> False and device_count() -> 0: there is no NPU here (vLLM's
+      platform is still vllm-ascend's NPUPlatform, chosen by its plugin); current_device() -> the CPU, where the
+      harness builds every parameter (vLLM builds a few layers on `current_platform.current_device()`).
+    - the device name "npu" for torch's PrivateUse1 backend, as torch_npu names it, so that torch.device("npu:0")
+      parses (vLLM names its process groups' device so); no tensor is ever put there."""
+    torch.utils.rename_privateuse1_backend("npu")
+    sys.meta_path.insert(0, _StandInFinder(("torch_npu",)))
+    npu = _StandInModule("torch.npu")
+    npu.__path__ = []
+    npu.is_available = lambda: False
+    npu.device_count = lambda: 0
+    npu.current_device = lambda: torch.device("cpu")
+    torch.npu = npu
+    sys.modules["torch.npu"] = npu
 
 
 class _OpNamespace:
