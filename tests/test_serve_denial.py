@@ -10,9 +10,7 @@ import json
 import statistics
 import subprocess
 import sys
-import threading
 import time
-from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import pytest
@@ -21,6 +19,7 @@ from npuport.runtime.serving.limits import ServeLimits
 from npuport.runtime.serving.serve import make_server
 from npuport.runtime.text_completions import RuntimeCompletions
 from tests.test_serve import KIND, running
+from tests.test_serve_hostile_http import second_request_while_the_first_generates
 from tests.test_serve_limits import PROMPT, address, exchange, openai_error
 
 pytestmark = pytest.mark.usefixtures("one_cpu_thread")
@@ -94,25 +93,8 @@ def test_800_dripping_and_500_idle_sockets_from_one_address_leave_every_keyed_re
 def test_a_client_over_its_requests_limit_gets_429_while_another_is_served(runner):
     """max_client_requests=1: a second request from the same address while its first is generating gets 429 at
     once, and the first is answered in full."""
-    generating, go_on = threading.Event(), threading.Event()
-
-    class Held(RuntimeCompletions):
-        def run(self, *args, **kwargs):
-            generating.set()
-            go_on.wait(60)
-            return super().run(*args, **kwargs)
-
-    held = Held(runner.model, runner.tokenizer, batch_size=4, context_tokens=runner.context_tokens)
-    body = json.dumps({"prompt": PROMPT, "max_tokens": 2}).encode()
-    with running(make_server(held, "tiny", limits=ServeLimits(max_client_requests=1))) as url:
-        with ThreadPoolExecutor(1) as pool:
-            first = pool.submit(exchange, url, "POST", "/v1/completions", body)
-            try:
-                assert generating.wait(60)
-                status, headers, raw = exchange(url, "POST", "/v1/completions", body)
-            finally:
-                go_on.set()
-            first_status = first.result()[0]
+    status, headers, raw, first_status = second_request_while_the_first_generates(
+        runner, ServeLimits(max_client_requests=1), batch_size=4)
     assert status == 429 and headers.get("Retry-After") == "1"
     error = openai_error(raw)
     assert error["code"] == "client_busy" and "--max-client-requests" in error["message"]

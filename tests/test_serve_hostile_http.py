@@ -154,9 +154,9 @@ def test_a_request_whose_body_is_still_arriving_holds_no_serving_slot(runner):
     assert slow_waiting
 
 
-def test_requests_beyond_max_connections_get_503_while_the_others_are_served(runner):
-    """max_connections still bounds the requests being served: with one slot, a second request while the first
-    is generating is answered 503 at once, and the first is answered in full."""
+def second_request_while_the_first_generates(runner, limits: ServeLimits, batch_size: int = 1):
+    """(status, headers, body of a second completion request sent while the first is generating, the first's
+    status): the model holds its batch until the second is answered."""
     generating, go_on = threading.Event(), threading.Event()
 
     class Held(RuntimeCompletions):
@@ -167,9 +167,9 @@ def test_requests_beyond_max_connections_get_503_while_the_others_are_served(run
             go_on.wait(60)
             return super().run(*args, **kwargs)
 
-    held = Held(runner.model, runner.tokenizer, batch_size=1, context_tokens=runner.context_tokens)
+    held = Held(runner.model, runner.tokenizer, batch_size=batch_size, context_tokens=runner.context_tokens)
     body = json.dumps({"prompt": PROMPT, "max_tokens": 2}).encode()
-    with running(make_server(held, "tiny", limits=ServeLimits(max_connections=1))) as url:
+    with running(make_server(held, "tiny", limits=limits)) as url:
         with ThreadPoolExecutor(1) as pool:
             first = pool.submit(exchange, url, "POST", "/v1/completions", body)
             try:
@@ -177,7 +177,14 @@ def test_requests_beyond_max_connections_get_503_while_the_others_are_served(run
                 status, headers, raw = exchange(url, "POST", "/v1/completions", body)
             finally:
                 go_on.set()
-            first_status = first.result()[0]
+            return status, headers, raw, first.result()[0]
+
+
+def test_requests_beyond_max_connections_get_503_while_the_others_are_served(runner):
+    """max_connections still bounds the requests being served: with one slot, a second request while the first
+    is generating is answered 503 at once, and the first is answered in full."""
+    status, headers, raw, first_status = second_request_while_the_first_generates(
+        runner, ServeLimits(max_connections=1))
     assert status == 503 and headers.get("Retry-After") == "1"
     assert openai_error(raw)["code"] == "server_busy"
     assert first_status == 200
