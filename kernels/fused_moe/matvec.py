@@ -113,9 +113,10 @@ def _pairs_times_tile(x_int, w_pairs, k0, K, pair_ok, BK: tl.constexpr):
 def _pairs_of(rn, n_ok, BN: tl.constexpr):
     """The byte rows holding rows rn (a tile of BN consecutive rows from an even one) and which of them are in
     range: rows 2j, 2j + 1 -> byte row j."""
-    even_rows, _ = tl.split(tl.reshape(rn, [BN // 2, 2]))
-    even_ok, _ = tl.split(tl.reshape(n_ok.to(tl.int32), [BN // 2, 2]))  # int32: no boolean shuffle asked for
-    return even_rows // 2, even_ok != 0
+    # Arithmetic on the tile's first row and its count of rows in range (a prefix of the tile), not a split of rn:
+    # triton-ascend's adapter lowers no multi-result op (tl.split) into address or mask computation.
+    local = 2 * tl.arange(0, BN // 2)
+    return (tl.min(rn, 0) + local) // 2, local < tl.sum(n_ok.to(tl.int32), 0)
 
 
 @jit
