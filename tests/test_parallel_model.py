@@ -7,6 +7,7 @@ tokens while the target's W8A8 experts receive int8. Bad device counts fail clea
 
 from __future__ import annotations
 
+import os
 import socket
 from datetime import timedelta
 
@@ -89,6 +90,10 @@ def worker(rank: int, port: int, models: list[tuple[str, str]]) -> None:
             check_split_model(rank, path, origin)
     finally:
         dist.destroy_process_group()
+    # Every check passed and the group is gone: leave without the interpreter's teardown. Once in four full runs a
+    # worker aborted with "terminate called without an active exception" (a C++ thread destroyed still joinable, as
+    # at teardown; where it struck was not established). A failed check raised above and still fails the test.
+    os._exit(0)
 
 
 def test_split_models_match_the_single_process_model(tiny_checkpoints, tiny_artifacts):
