@@ -332,7 +332,7 @@ def end_to_end(args, copy_bps: float, save) -> dict:
     for label, path in (("BF16", source), *artifacts.items()):
         model = load_model(path, "cuda")
         for batch in batches:
-            for k in (0, 1):
+            for k in [int(x) for x in args.e2e_mtp.split(",")]:
                 run = measure_throughput(model, prompts[:batch], args.new_tokens, mtp=k, label=label, repeats=2)
                 record = {"runtime": f"npuport {label}", "batch": batch, "mtp": k,
                           "ms_per_token": run.time_per_output_token_ms, "prefill_tok_s": run.prefill_tokens_per_s}
@@ -346,8 +346,9 @@ def end_to_end(args, copy_bps: float, save) -> dict:
         if args.profile:
             short = [prompts[0][:8]]  # a short prompt: the profile is the decode steps
             out.setdefault("profile", {})[label] = profile_decode(model, short, args.out / f"profile-{label}.txt", 33)
-        run = measure_throughput(model, long_prompt, 2, label=label, repeats=2)
-        out["runs"].append({"runtime": f"npuport {label}", "prefill_4096_tok_s": run.prefill_tokens_per_s})
+        if not args.e2e_no_long_prefill:
+            run = measure_throughput(model, long_prompt, 2, label=label, repeats=2)
+            out["runs"].append({"runtime": f"npuport {label}", "prefill_4096_tok_s": run.prefill_tokens_per_s})
         del model
         torch.cuda.empty_cache()
     if args.no_transformers:
@@ -436,6 +437,8 @@ def main() -> None:
                         help="W4A8 artifacts with msModelSlim's full ssz search (hours at real widths) rather than "
                              "its start scales.")
     parser.add_argument("--batches", default="1,8,32")
+    parser.add_argument("--e2e-mtp", default="0,1", help="MTP draft counts timed end to end.")
+    parser.add_argument("--e2e-no-long-prefill", action="store_true", help="End to end without the 4096 prefill.")
     parser.add_argument("--sweep", default="", help="Token counts at which to sweep the matvec tiles, e.g. 1,8,16")
     parser.add_argument("--new-tokens", type=int, default=48)
     parser.add_argument("--skip-layer", action="store_true", help="Only the end-to-end part.")

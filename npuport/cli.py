@@ -564,10 +564,14 @@ def validate_cmd(artifact: Path | None, gsm8k: bool, protocol: str, data: Path |
                    "also name the model by MODEL's path, as given or resolved.")
 @mtp_option
 @click.option("--max-batch-size", type=click.IntRange(min=1), default=16, show_default=True,
-              help="Rows (prompts x n) generated together: requests in flight share a batch up to this many. A "
-                   "batch's float rounding follows its shape (the prefill's GEMMs and chunks, the kernels a step "
-                   "picks), so a greedy answer in a batch may differ in a late token from the same request alone; "
-                   "--batch-invariant rules that out.")
+              help="Rows (prompts x n) in the running batch at once, prefilling or decoding (continuous batching: a "
+                   "request joins at the next step, a finished row leaves at once; more wait in line). A decode "
+                   "step's float rounding follows the batch's size, so a greedy answer in a batch may differ in a "
+                   "late token from the same request alone; --batch-invariant rules that out.")
+@click.option("--prefill-tokens", type=click.IntRange(min=1), default=None,
+              help="Prompt tokens prefilled per step, over all prompts being prefilled, between the running rows' "
+                   "decode steps: a long prompt is prefilled in chunks, so that it delays the others' tokens by one "
+                   "chunk at a time. Default: 256 on a CPU, 4096 on a GPU / NPU.")
 @click.option("--batch-invariant/--no-batch-invariant", default=None,
               help="Every answer bit for bit the one its request gets alone: each row generated in a call of its "
                    "own (requests wait for each other instead of sharing a batch), on batch-invariant steps where "
@@ -614,16 +618,17 @@ def validate_cmd(artifact: Path | None, gsm8k: bool, protocol: str, data: Path |
               help="Do not log each request (else one line each: time, client, method, path, status, latency, "
                    "prompt/completion tokens).")
 def serve_cmd(model: Path, port: int, host: str, served_model_name: str | None, mtp: int, max_batch_size: int,
-              batch_invariant: bool | None, max_tokens_limit: int, max_prompt_tokens: int, header_timeout_s: float,
-              request_timeout_s: float, max_connections: int, max_pending_connections: int,
+              prefill_tokens: int | None, batch_invariant: bool | None, max_tokens_limit: int, max_prompt_tokens: int,
+              header_timeout_s: float, request_timeout_s: float, max_connections: int, max_pending_connections: int,
               max_client_connections: int, max_client_requests: int, allow_client_chat_template: bool,
               api_key: str | None, device: str | None, devices: int, dtype: str, dispatch: str | None,
               shutdown_timeout_s: float, quiet: bool) -> None:
     """Serve MODEL (a W8A8 artifact or BF16 source) on the built-in runtime as an OpenAI-compatible endpoint:
     POST /v1/completions and /v1/chat/completions (logprobs, echo, n, stream; prompts as text or token ids; chat
     through the model's own template; vLLM's ignore_eos, min_tokens, stop_token_ids, include_stop_str_in_output),
-    GET /v1/models, /health and /metrics (Prometheus' text format). Requests in flight are batched together: one
-    that arrives while a batch runs joins the next one."""
+    GET /v1/models, /health and /metrics (Prometheus' text format). Requests in flight are batched continuously:
+    one that arrives while others generate joins their batch at the next step, its prompt prefilled in chunks
+    between their decode steps."""
     import functools
 
     from npuport.runtime.serving.limits import ServeLimits
@@ -643,7 +648,8 @@ def serve_cmd(model: Path, port: int, host: str, served_model_name: str | None, 
                          max_client_connections=max_client_connections, max_client_requests=max_client_requests)
     serve = functools.partial(
         serve_model, model, host=host, port=port, served_model=served_model_name, device=device, dtype=dtype,
-        mtp=mtp, dispatch=dispatch, max_batch_size=max_batch_size, batch_invariant=batch_invariant, limits=limits,
+        mtp=mtp, dispatch=dispatch, max_batch_size=max_batch_size, batch_invariant=batch_invariant,
+        prefill_tokens=prefill_tokens, limits=limits,
         api_key=api_key, announce=click.echo, log=None if quiet else echo_to_stderr, warn=echo_to_stderr,
         shutdown_timeout_s=shutdown_timeout_s)
     on_devices(serve, (), devices, device)

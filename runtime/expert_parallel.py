@@ -17,7 +17,7 @@ from __future__ import annotations
 import contextvars
 from collections.abc import Iterator
 from contextlib import contextmanager
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields, replace
 
 import torch
 import torch.distributed as dist
@@ -60,11 +60,16 @@ class ExpertShard:
         return range(rank * self.per_rank, (rank + 1) * self.per_rank)
 
     def local(self, experts: StackedExperts, rank: int) -> StackedExperts:
-        """rank's experts out of all of a layer's (views, no copy)."""
+        """rank's experts out of all of a layer's num_experts (views, no copy): every tensor StackedExperts
+        carries - weights [E, ...], scales [E, rows] - cut to rank's [per_rank, ...] along its expert dimension,
+        every other field (int4) kept. Packed int4 experts cut the same way: a byte pairs two rows of one expert,
+        never rows of two."""
+        if experts.num_experts != self.num_experts:
+            raise ValueError(f"a shard of {self.num_experts} experts given a layer of {experts.num_experts}")
         ids = self.ids(rank)
         span = slice(ids.start, ids.stop)
-        scales = (None, None) if not experts.quantized else (experts.gate_up_scale[span], experts.down_scale[span])
-        return StackedExperts(experts.gate_up[span], experts.down[span], *scales)
+        return replace(experts, **{f.name: value[span] for f in fields(experts)
+                                   if isinstance(value := getattr(experts, f.name), torch.Tensor)})
 
 
 @dataclass

@@ -40,12 +40,14 @@ SCALE_BIAS_RTOL = 1e-3
 _MTP_LAYER = re.compile(r"^mtp\.layers\.(\d+)\.")
 
 
-def keeps_int4_packed(device: torch.device, parallel: Parallel) -> bool:
+def keeps_int4_packed(device: torch.device) -> bool:
     """Whether W4A8 experts stay int4 pairs in int8 bytes (StackedExperts.int4) on `device`: on a GPU, where the
-    matvec kernels read them as int4 (half the bytes of int8), on one device (expert parallelism slices the experts
-    as int8 ones). Elsewhere they are unpacked to int8 at load: the CPU runs the references, and on an NPU
-    torch-npu's grouped matmul runs the experts, with no int4 operator documented for it here."""
-    return is_gpu(device) and parallel.world == 1
+    matvec kernels read them as int4 (half the bytes of int8) - one GPU, or each of several under expert
+    parallelism, whose rank holds its own experts packed (a byte pairs rows of one expert) and runs them as one
+    device would. Elsewhere they are unpacked to int8 at load, on one device or on each rank: the CPU runs the
+    references (which would unpack them on every call), and on an NPU torch-npu's grouped matmul runs the experts,
+    with no int4 operator documented for it here."""
+    return is_gpu(device)
 
 
 class Checkpoint:
@@ -248,7 +250,7 @@ class _Loader:
         if len(labels) > 1:
             raise self.ckpt.error(f"the experts of {ck} carry different labels {sorted(labels)}; one layer, one label")
         quantized = labels in ({W8A8_DYNAMIC}, {W4A8_DYNAMIC})
-        int4 = labels == {W4A8_DYNAMIC} and keeps_int4_packed(self.device, self.parallel)
+        int4 = labels == {W4A8_DYNAMIC} and keeps_int4_packed(self.device)
         read_quantized = functools.partial(self.w4a8, packed=int4) if labels == {W4A8_DYNAMIC} else self.w8a8
         with torch.device("meta"):
             built = Experts(e_count, hidden, i, quantized, int4=int4)

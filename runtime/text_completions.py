@@ -13,6 +13,7 @@ from pathlib import Path
 import torch
 
 from npuport.errors import NpuportError
+from npuport.runtime import slots
 from npuport.runtime.completion import LENGTH, STOP, Completion, CompletionBatch, stop_at, stop_token_end
 from npuport.runtime.generate import AcceptanceStats, TokenSink, generate
 from npuport.runtime.loader import load_model
@@ -219,6 +220,27 @@ class RuntimeCompletions:
                          should_stop=should_stop if checks else None, on_tokens=on_tokens,
                          on_finish=on_finish).stats
         return results, stats
+
+    # -- a continuous batch's slots (runtime/slots.py), on this model with these options ------------------------
+
+    def open_slots(self, rows: int, capacity: int) -> int:
+        """A pool of `rows` decode slots of at least `capacity` positions (slots.open_slots); its capacity."""
+        return slots.open_slots(self.model, self.options, rows, capacity)
+
+    def prefill_slots(self, first: int, chunk: Sequence[slots.ChunkRow], width: int,
+                      samplers: Sequence[slots.RowSampling] | None = None) -> list[int | None]:
+        """One prefill chunk of slots first.. (slots.prefill_slots); each row's first token where its prompt ended."""
+        return slots.prefill_slots(self.model, first, chunk, width, samplers)
+
+    def decode_slots(self, n: int, rounds: int) -> list[slots.DecodeRound]:
+        """`rounds` decode steps (MTP rounds) of slots [0, n) (slots.decode_slots)."""
+        return slots.decode_slots(self.model, n, rounds)
+
+    def move_slots(self, source: Sequence[int], target: Sequence[int]) -> None:
+        slots.move_slots(self.model, source, target)
+
+    def close_slots(self) -> None:
+        slots.close_slots(self.model)
 
     def stop_set(self, request: TextRequest) -> frozenset[int]:
         """The token ids that end `request` (past its min_tokens): the model's EOS ids unless it ignores them, and

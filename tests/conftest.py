@@ -58,6 +58,18 @@ def qwen36_artifacts(tiny_checkpoints: dict[str, Path], tmp_path_factory: pytest
                                  log=lambda _: None).out for kind in ("dense-multimodal", "dense-text")}
 
 
+@pytest.fixture(scope="session")
+def w4a8_artifact(tiny_checkpoints: dict[str, Path], tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The W4A8 artifact of the per-expert MoE tiny source under the shipped qwen3_5_moe_w4a8 recipe: its routed
+    experts W4A8_DYNAMIC (int4 packed two to a byte), the rest as W8A8."""
+    from npuport.convert.converter import convert_qwen35
+    from npuport.convert.recipe import recipe_path_for
+
+    return convert_qwen35(tiny_checkpoints["moe-text-per-expert"], tmp_path_factory.mktemp("w4a8") / "artifact",
+                          recipe_path=recipe_path_for("qwen3_5_moe_w4a8"), show_progress=False,
+                          log=lambda _: None).out
+
+
 @pytest.fixture(scope="module")
 def one_cpu_thread():
     """One intra-op thread for a module: tiny models on a shared 2-core CPU run many times faster than with a

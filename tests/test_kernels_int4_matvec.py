@@ -203,16 +203,6 @@ MAX_NEW = 6
 INTERPRETER_TILES = MatvecConfig(gate_up_bn=32, down_bn=32, bk=128)
 
 
-@pytest.fixture(scope="module")
-def w4a8_artifact(tiny_checkpoints, tmp_path_factory):
-    from npuport.convert.converter import convert_qwen35
-    from npuport.convert.recipe import recipe_path_for
-
-    return convert_qwen35(tiny_checkpoints["moe-text-per-expert"], tmp_path_factory.mktemp("w4a8") / "artifact",
-                          recipe_path=recipe_path_for("qwen3_5_moe_w4a8"), show_progress=False,
-                          log=lambda _: None).out
-
-
 def experts_as_on_a_gpu(monkeypatch) -> None:
     """The MoE experts' plan as on a GPU - the Triton kernels, interpreted on CPU tensors, INTERPRETER_TILES - every
     other operator still its CPU reference (all of them interpreted would take minutes)."""
@@ -236,7 +226,7 @@ def test_a_w4a8_artifact_decodes_the_same_tokens_from_packed_int4_experts(w4a8_a
 
     unpacked = load_model(w4a8_artifact, "cpu", torch.float32)
     cpu_tokens = generate(unpacked, PROMPTS, MAX_NEW).tokens
-    monkeypatch.setattr(loader_module, "keeps_int4_packed", lambda device, parallel: True)
+    monkeypatch.setattr(loader_module, "keeps_int4_packed", lambda device: True)
     packed = load_model(w4a8_artifact, "cpu", torch.float32)
     layers = [(a.mlp.experts, b.mlp.experts) for a, b in zip(packed.layers, unpacked.layers, strict=True)
               if isinstance(a.mlp, MoE)]

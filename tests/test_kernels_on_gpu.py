@@ -341,16 +341,6 @@ def test_int4_matvec_at_real_widths_gives_the_int8_bits_and_runs_in_a_graph(like
     assert torch.equal(out, fused_experts(new[0], unpacked, new[1], new[2]))
 
 
-@pytest.fixture(scope="module")
-def w4a8_artifact(tiny_checkpoints, tmp_path_factory):
-    from npuport.convert.converter import convert_qwen35
-    from npuport.convert.recipe import recipe_path_for
-
-    return convert_qwen35(tiny_checkpoints["moe-text-per-expert"], tmp_path_factory.mktemp("w4a8") / "artifact",
-                          recipe_path=recipe_path_for("qwen3_5_moe_w4a8"), show_progress=False,
-                          log=lambda _: None).out
-
-
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_a_w4a8_artifact_on_gpu_reads_packed_experts_and_keeps_greedy_mtp_equal_to_greedy(dtype, w4a8_artifact,
                                                                                           monkeypatch):
@@ -367,7 +357,7 @@ def test_a_w4a8_artifact_on_gpu_reads_packed_experts_and_keeps_greedy_mtp_equal_
     moe = [layer.mlp.experts for layer in model.layers if isinstance(layer.mlp, runtime_model.MoE)]
     assert moe and all(experts.int4 for experts in moe)
     with monkeypatch.context() as patch:
-        patch.setattr(loader_module, "keeps_int4_packed", lambda device, parallel: False)
+        patch.setattr(loader_module, "keeps_int4_packed", lambda device: False)
         unpacked = load_model(w4a8_artifact, CUDA, dtype)
     assert not any(layer.mlp.experts.int4 for layer in unpacked.layers if isinstance(layer.mlp, runtime_model.MoE))
     plain = generate(model, PROMPTS, 40, invariant=True)
@@ -572,3 +562,19 @@ def test_batch_invariant_steps_keep_greedy_mtp_output_in_bf16(kind, wider_models
     for k in (1, 2, 3, 4):
         assert generate(model, prompts, 48, mtp=k, invariant=True).tokens == plain.tokens, f"mtp={k}"
     assert generate(model, prompts, 48, mtp=2, invariant=True, graphs=False).tokens == plain.tokens
+
+
+@pytest.mark.parametrize("kind", ["dense", "w8a8 moe"])
+def test_continuous_batching_with_graphs_keeps_greedy_mtp_output_and_graph_free_bits(kind, wider_models):
+    """Slots (runtime/slots.py) on the GPU: rows joining a running batch, decode steps on bucket views captured as
+    graphs, MTP verify steps on views of the pool's verify log: batch-invariant MTP k = 1..3 gives the plain run's
+    tokens, and graphs give the graph-free run's."""
+    from npuport.runtime.run_options import run_options
+    from tests.test_continuous_batching import joining_schedule, prompts
+
+    model = load_model(wider_models[kind], CUDA, torch.bfloat16)
+    rows = prompts(4, seed=5)
+    plain = joining_schedule(model, run_options(model, 0, invariant=True), rows, 40)
+    assert joining_schedule(model, run_options(model, 0, graphs=False, invariant=True), rows, 40) == plain
+    for k in (1, 2, 3):
+        assert joining_schedule(model, run_options(model, k, invariant=True), rows, 40) == plain, f"mtp={k}"

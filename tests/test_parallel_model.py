@@ -3,7 +3,10 @@ GatedDeltaNet and MLPs, expert parallelism for the routed experts. Logits equal 
 (float32: 1e-4 relative for BF16-labelled models, where only the order of sums changes; W8A8 artifacts 2e-3, where a
 sum's last bit can also move an int8 rounding), greedy MTP == greedy == the single-process greedy tokens, each
 rank holds only its part of every split tensor, and in one MTP round the BF16 MTP head's experts receive float
-tokens while the target's W8A8 experts receive int8. Bad device counts fail clearly, before anything loads."""
+tokens while the target's W8A8 experts receive int8. Bad device counts fail clearly, before anything loads.
+A W4A8 artifact split with its experts kept packed, as on CUDA devices, and read by the int4 kernels (Triton's
+interpreter): each rank holds the bytes of its experts, its logits are those of the same split on the unpacked int8
+experts bit for bit, and the single-process model's within the W8A8 artifacts' 2e-3, its experts receiving int8."""
 
 from __future__ import annotations
 
@@ -31,6 +34,7 @@ NEW_TOKENS = 10
 SOURCES = ("dense-text", "moe-multimodal-fused", "moe-text-per-expert")
 ARTIFACTS = ("dense-text", "moe-multimodal-fused")
 TOLERANCE = {"source": 1e-4, "artifact": 2e-3}
+W4A8_PROMPTS = [[31, 7, 1500], [1000, 3, 77]]  # few tokens: the int4 kernels run interpreted
 
 
 def check_split_model(rank: int, path, origin: str) -> None:
@@ -100,6 +104,82 @@ def test_split_models_match_the_single_process_model(tiny_checkpoints, tiny_arti
     models = [(str(tiny_checkpoints[k]), "source") for k in SOURCES]
     models += [(str(tiny_artifacts[k]), "artifact") for k in ARTIFACTS]
     mp.spawn(worker, args=(free_port(), models), nprocs=WORLD, join=True)
+
+
+def check_split_w4a8(rank: int, path: str) -> None:
+    """packed_split_against_unpacked_and_one_process with the MoE experts planned as on a GPU: the Triton kernels
+    (interpreted), every other operator its CPU reference."""
+    import npuport.kernels.fused_moe.plan as plan_module
+    from npuport.kernels.fused_moe import MatvecConfig
+    from tests.test_kernels_int4_matvec import experts_as_on_a_gpu
+
+    patch = pytest.MonkeyPatch()
+    try:
+        experts_as_on_a_gpu(patch)
+        # one program a routed pair and launch: tiles as wide as the tiny model's rows and columns
+        patch.setattr(plan_module, "matvec_config", lambda pairs, device=None, int4=False: MatvecConfig(64, 64, 128))
+        packed_split_against_unpacked_and_one_process(rank, path, patch)
+    finally:
+        patch.undo()
+
+
+def packed_split_against_unpacked_and_one_process(rank: int, path: str, patch: pytest.MonkeyPatch) -> None:
+    """A W4A8 artifact over two ranks, its experts kept packed as a CUDA rank keeps them (keeps_int4_packed forced
+    through `patch`); the same split with them unpacked at load, as a CPU rank keeps them; one process, packed."""
+    import npuport.runtime.loader as loader_module
+    from npuport.runtime.model import MoE
+
+    parallel = Parallel.from_default_group()
+    unpacked = load_model(path, "cpu", torch.float32, parallel)
+    patch.setattr(loader_module, "keeps_int4_packed", lambda device: True)
+    single, split = load_model(path, "cpu", torch.float32), load_model(path, "cpu", torch.float32, parallel)
+    moe = [(a.mlp.experts, b.mlp.experts, c.mlp.experts)
+           for a, b, c in zip(split.layers, unpacked.layers, single.layers, strict=True) if isinstance(a.mlp, MoE)]
+    assert moe
+    for packed, as_int8, whole in moe:
+        assert packed.int4 and whole.int4 and not as_int8.int4
+        span = slice(rank * len(packed.gate_up_proj), (rank + 1) * len(packed.gate_up_proj))
+        for name in ("gate_up_proj", "down_proj", "gate_up_proj_scale", "down_proj_scale"):
+            assert torch.equal(getattr(packed, name), getattr(whole, name)[span]), name
+        assert torch.equal(packed.stacked().unpacked().gate_up, as_int8.gate_up_proj)
+        assert torch.equal(packed.stacked().unpacked().down, as_int8.down_proj)
+
+    with recording_dispatch() as records:
+        logits, _ = forward_logits(split, W4A8_PROMPTS)
+    assert {r.payload for r in records} == {torch.int8}
+    assert torch.equal(logits, forward_logits(unpacked, W4A8_PROMPTS)[0])
+    if rank == 0:  # every rank has the gathered logits
+        reference, _ = forward_logits(single, W4A8_PROMPTS)
+        tol = TOLERANCE["artifact"]
+        torch.testing.assert_close(logits, reference, rtol=tol, atol=tol * reference.abs().max().item())
+
+
+def w4a8_worker(rank: int, port: int, path: str) -> None:
+    torch.set_num_threads(1)
+    dist.init_process_group(distributed_backend(torch.device("cpu")), init_method=f"tcp://127.0.0.1:{port}",
+                            rank=rank, world_size=WORLD, timeout=timedelta(seconds=120))
+    try:
+        check_split_w4a8(rank, path)
+    finally:
+        dist.destroy_process_group()
+    os._exit(0)  # as worker() leaves, for the same reason
+
+
+def test_a_split_w4a8_model_reads_its_experts_as_int4_and_matches_one_process(w4a8_artifact):
+    pytest.importorskip("triton")
+    mp.spawn(w4a8_worker, args=(free_port(), str(w4a8_artifact)), nprocs=WORLD, join=True)
+
+
+def test_w4a8_experts_stay_packed_on_every_cuda_device_and_are_unpacked_elsewhere():
+    """The loader's choice follows the device alone: one CUDA device or each rank of a split, where the int4 kernels
+    read a rank's experts as one device's; a CPU or an NPU rank unpacks them as one CPU or NPU does."""
+    from types import SimpleNamespace
+
+    from npuport.runtime.loader import keeps_int4_packed
+
+    assert all(keeps_int4_packed(torch.device(d)) for d in ("cuda", "cuda:0", "cuda:1"))
+    assert not keeps_int4_packed(torch.device("cpu"))
+    assert not keeps_int4_packed(SimpleNamespace(type="npu", index=1))  # what devices.py reads of an NPU device
 
 
 def tiny_config(**sizes) -> ModelConfig:

@@ -239,7 +239,7 @@ def test_a_request_whose_client_left_stops_generating_and_the_worker_goes_idle(s
     with server_end:
         prepared = service.prepare_completion(completion([PROMPT], 200_000))
         waiting, outcome = in_thread(lambda: service.answer(prepared, client_gone=lambda: peer_closed(server_end)))
-        assert until(lambda: inside(service.batcher.worker, "_generate"))
+        assert until(lambda: inside(service.batcher.worker, "_decode"))
         assert not peer_closed(server_end)
         client.close()
         waiting.join(GENEROUS_S)
@@ -249,7 +249,7 @@ def test_a_request_whose_client_left_stops_generating_and_the_worker_goes_idle(s
         assert short_outcome["result"]["usage"]["completion_tokens"] == 2
         assert until(lambda: service.batcher.in_flight == 0), "the request whose client left is still generating"
         worker = service.batcher.worker
-        assert until(lambda: inside(worker, "_take_arrivals") and not inside(worker, "_run"))  # waits for work
+        assert until(lambda: inside(worker, "_arrivals") and not inside(worker, "_iterate"))  # waits for work
 
 
 def test_a_client_that_leaves_a_non_streaming_request_stops_its_generation_over_http(runner):
@@ -330,7 +330,7 @@ def test_a_request_after_a_big_one_is_answered_long_before_it(service):
     prepared = service.prepare_completion(completion([PROMPT], 100_000, n=8))
     big, big_outcome = in_thread(lambda: service.answer(prepared, client_gone=big_gone.is_set))
     try:
-        assert until(lambda: inside(service.batcher.worker, "_generate"))
+        assert until(lambda: inside(service.batcher.worker, "_decode"))
         small, small_outcome = in_thread(lambda: service.answer(service.prepare_completion(completion([PROMPT], 2))))
         small.join(GENEROUS_S)
         big_running = big.is_alive()

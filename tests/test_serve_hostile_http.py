@@ -160,12 +160,12 @@ def second_request_while_the_first_generates(runner, limits: ServeLimits, batch_
     generating, go_on = threading.Event(), threading.Event()
 
     class Held(RuntimeCompletions):
-        """The loaded model, holding each batch until the test lets it go on."""
+        """The loaded model, holding each prefill until the test lets it go on."""
 
-        def run(self, *args, **kwargs):
+        def prefill_slots(self, *args, **kwargs):
             generating.set()
             go_on.wait(60)
-            return super().run(*args, **kwargs)
+            return super().prefill_slots(*args, **kwargs)
 
     held = Held(runner.model, runner.tokenizer, batch_size=batch_size, context_tokens=runner.context_tokens)
     body = json.dumps({"prompt": PROMPT, "max_tokens": 2}).encode()

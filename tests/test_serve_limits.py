@@ -166,7 +166,7 @@ def test_an_internal_error_says_internal_error_and_the_details_go_to_the_log(run
     class OutOfMemory(RuntimeCompletions):
         """The loaded model, failing as an allocator does."""
 
-        def run(self, *args, **kwargs):
+        def prefill_slots(self, *args, **kwargs):
             raise RuntimeError("CUDA out of memory. Tried to allocate 2.40 GiB (/opt/models/secret/alloc.cpp:77)")
 
     failing = OutOfMemory(runner.model, runner.tokenizer, batch_size=1, context_tokens=runner.context_tokens)

@@ -47,29 +47,25 @@ def scrape(url: str) -> dict[str, float]:
 
 
 class Held(RuntimeCompletions):
-    """The loaded model, stopping twice in its first call: before it starts (the request waits), and after its
-    first tokens are handed on (the request runs); the test lets it go on each time."""
+    """The loaded model, stopping twice: before its first prefill (the request waits), and before its first decode
+    step, once the prefill's first token is handed on (the request runs); the test lets it go on each time."""
 
     def __init__(self, *args, **kwargs) -> None:
         super().__init__(*args, **kwargs)
         self.waiting, self.running = threading.Event(), threading.Event()
         self.go_on = [threading.Event(), threading.Event()]
-        self.calls = 0
 
-    def run(self, requests, sampling=None, on_tokens=None, interrupted=None, on_done=None):
-        self.calls += 1
-        if self.calls > 1:
-            return super().run(requests, sampling, on_tokens, interrupted, on_done)
-        self.waiting.set()
-        self.go_on[0].wait(60)
+    def prefill_slots(self, *args, **kwargs):
+        if not self.waiting.is_set():
+            self.waiting.set()
+            self.go_on[0].wait(60)
+        return super().prefill_slots(*args, **kwargs)
 
-        def first_tokens(row, new):
-            on_tokens(row, new)
-            if not self.running.is_set():
-                self.running.set()
-                self.go_on[1].wait(60)
-
-        return super().run(requests, sampling, first_tokens, interrupted, on_done)
+    def decode_slots(self, *args, **kwargs):
+        if not self.running.is_set():
+            self.running.set()
+            self.go_on[1].wait(60)
+        return super().decode_slots(*args, **kwargs)
 
 
 def test_metrics_count_what_was_sent_during_and_after_requests(runner):

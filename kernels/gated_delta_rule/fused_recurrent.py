@@ -8,7 +8,7 @@ from dataclasses import dataclass
 import torch
 
 from npuport.kernels.gated_delta_rule.naive import fused_recurrent_gated_delta_rule_reference
-from npuport.kernels.gated_delta_rule.verify_log import VerifyLog, check_log_room
+from npuport.kernels.gated_delta_rule.verify_log import VerifyLog, check_log_room, log_storage_rows
 from npuport.kernels.gdn_gating import softplus
 from npuport.kernels.implementations import NATIVE, TRITON, runnable
 from npuport.kernels.launch import jit, launch, launch_options, next_power_of_2, persistent_grid, tl, use_triton
@@ -74,12 +74,14 @@ def _token_inputs(q_at, k_at, v_at, g_at, beta_at, t, T, sq_t, sk_t, sv_t, sg_t,
 # 1 KiB): under 48 KiB, below the ~70 KiB that multi-buffering leaves.
 @jit
 def _recurrent_kernel(q, k, v, g, beta, A_log, dt_bias, state, log_keys, log_decay, log_writes, log_side, pending,
-                      out, B, T, H, HV, GROUP, n_tasks, scale, sq_b, sq_t, sq_h, sk_b, sk_t, sk_h, sv_b, sv_t, sv_h,
+                      out, B, LOG_ROWS, T, H, HV, GROUP, n_tasks, scale, sq_b, sq_t, sq_h, sk_b, sk_t, sk_h, sv_b, sv_t,
+                      sv_h,
                       sg_b, sg_t, so_b, so_t, so_h, S: tl.constexpr, K: tl.constexpr, V: tl.constexpr,
                       BK: tl.constexpr, BV: tl.constexpr, L2NORM: tl.constexpr, GATING: tl.constexpr,
                       LOG: tl.constexpr, ONE_PASS: tl.constexpr):
     # state [B, HV, K, V] and the log's keys [2, B, S, H, K], log_decay [2, B, S, HV], writes [2, B, S, HV, V]
-    # are contiguous; entry (half, b, t) of the log starts at row (half * B + b) * S + t.
+    # are contiguous, each half of the log in rows of a storage of LOG_ROWS requests (B, or more where the log is
+    # a view of some requests of a larger one); entry (half, b, t) starts at row (half * LOG_ROWS + b) * S + t.
     n_v = (V + BV - 1) // BV
     keys = tl.arange(0, BK)
     key_ok = keys < K
@@ -103,8 +105,8 @@ def _recurrent_kernel(q, k, v, g, beta, A_log, dt_bias, state, log_keys, log_dec
         s = tl.load(state_at, mask=tile_ok, other=0.0)
         if LOG:
             side = tl.load(log_side).to(tl.int64)
-            read_row = (side * B + b) * S
-            write_row = ((1 - side) * B + b) * S
+            read_row = (side * LOG_ROWS + b) * S
+            write_row = ((1 - side) * LOG_ROWS + b) * S
             n_pending = tl.load(pending + b)
             # Replay the accepted tokens of the last step, unrolled over all S slots so that every entry's
             # loads are issued at once; the entries past n_pending (an older step's values) are dropped.
@@ -215,13 +217,14 @@ def fused_recurrent_gated_delta_rule_triton(
                          f"{state.dtype} {tuple(state.shape)}")
     if q.stride(-1) != 1 or k.stride(-1) != 1 or v.stride(-1) != 1:
         raise ValueError("q, k, v need a contiguous last dimension")
-    slots = 1
+    slots, log_rows = 1, b
     if log is not None:
         check_log_room(log, t)
         slots = log.slots
         if log.keys.shape[1:] != (b, slots, h, kd) or log.writes.shape[1:] != (b, slots, hv, vd) or not all(
-                x.is_contiguous() and x.dtype == torch.float32 for x in (log.keys, log.log_decay, log.writes)):
+                x.dtype == torch.float32 for x in (log.keys, log.log_decay, log.writes)):
             raise ValueError("the verify log does not match the inputs (VerifyLog.empty makes one)")
+        log_rows = log_storage_rows(log)
     if g.stride() != beta.stride() or g.stride(-1) != 1:  # the kernel reads both with g's strides
         g, beta = g.contiguous(), beta.contiguous()
     out = torch.empty(b, t, hv, vd, dtype=v.dtype, device=v.device)
@@ -230,7 +233,7 @@ def fused_recurrent_gated_delta_rule_triton(
     n_tasks = b * hv * -(-vd // bv)
     entries = (None,) * 5 if log is None else (log.keys, log.log_decay, log.writes, log.side, log.pending)
     launch(_recurrent_kernel, persistent_grid(v.device, n_tasks), q, k, v, g, beta, A_log, dt_bias, state, *entries,
-           out, b, t, h, hv, hv // h, n_tasks, kd**-0.5, q.stride(0), q.stride(1), q.stride(2), k.stride(0),
+           out, b, log_rows, t, h, hv, hv // h, n_tasks, kd**-0.5, q.stride(0), q.stride(1), q.stride(2), k.stride(0),
            k.stride(1), k.stride(2), v.stride(0), v.stride(1), v.stride(2), g.stride(0), g.stride(1), out.stride(0),
            out.stride(1), out.stride(2), S=slots, K=kd, V=vd, BK=max(16, next_power_of_2(kd)), BV=bv,
            L2NORM=use_qk_l2norm, GATING=A_log is not None, LOG=log is not None, ONE_PASS=cfg.one_pass,

@@ -52,6 +52,21 @@ class VerifyLog:
         return VerifyLog(*(getattr(self, f.name).clone() for f in fields(self)))
 
 
+def log_storage_rows(log: VerifyLog) -> int:
+    """The requests each half of `log` spans in its storage: its batch B for a log of its own, more for the rows
+    of a larger log (a view of some of its requests: runtime/slots.py). The kernels need each half's requests
+    contiguous, a half `rows x S` entries after the other; raises ValueError otherwise."""
+    rows = None
+    for x in (log.keys, log.log_decay, log.writes):
+        per_request = x[0, 0].numel() if x.shape[1] else 1
+        if not x[0].is_contiguous() or x.stride(1) != per_request or x.stride(0) % per_request:
+            raise ValueError("the verify log's halves must each hold their requests contiguously")
+        if rows not in (None, x.stride(0) // per_request):
+            raise ValueError("the verify log's tensors span different storages")
+        rows = x.stride(0) // per_request
+    return rows
+
+
 def replay_pending(state: torch.Tensor, log: VerifyLog, slots: int | None = None) -> torch.Tensor:
     """state [B, HV, K, V] with each request's pending log entries applied (a new tensor): the committed
     state when a verify step's tokens were kept. slots: how many entries to go through, each applied where a

@@ -103,21 +103,21 @@ def round_seed(seed: int, round_: int) -> int:
     return seed if round_ == 0 else (seed + round_ * 0x9E3779B97F4A7C15) % (1 << 64)
 
 
-class RequestBatcher:
-    """The worker thread and its line over `runner`: calls of at most `max_rows` rows that give way to waiting
-    requests after `round_tokens` tokens; with `invariant`, calls of one row that never give way (see above)."""
+class Batcher:
+    """What every batcher of `npuport serve` offers its service: requests submitted as Jobs and answered through
+    their futures, counted while in flight, cancelled together, and one worker thread (`_work`, a subclass's) that
+    owns the model and takes the jobs from a queue."""
 
-    def __init__(self, runner: RuntimeCompletions, max_rows: int, round_tokens: int = ROUND_TOKENS, *,
-                 invariant: bool = False) -> None:
-        self.runner, self.round_tokens, self.invariant = runner, round_tokens, invariant
-        self.max_rows = 1 if invariant else max_rows
+    def __init__(self, runner: RuntimeCompletions) -> None:
+        self.runner = runner
         self._queue: queue.SimpleQueue[Job | None] = queue.SimpleQueue()
-        self._line: list[Job] = []  # jobs with rows waiting for a call, in the order they are served
         self._closing = False
         self._in_flight: set[Job] = set()  # submitted and not answered yet
         self._count_lock = threading.Lock()
         self.worker = threading.Thread(target=self._work, name="npuport-batcher", daemon=True)
-        self.worker.start()
+
+    def _work(self) -> None:
+        raise NotImplementedError
 
     def submit(self, job: Job) -> Future:
         with self._count_lock:
@@ -152,6 +152,55 @@ class RequestBatcher:
         self.worker.join(timeout_s)
         return not self.worker.is_alive()
 
+    def _arrivals(self, block: bool) -> list[Job]:
+        """The jobs submitted since the last look (waiting for one when `block`), each marked running; the queue's
+        end mark sets _closing."""
+        jobs = []
+        while not self._closing:
+            try:
+                job = self._queue.get(block=block)
+            except queue.Empty:
+                break
+            block = False
+            if job is None:
+                self._closing = True  # once the jobs in line are done
+            elif job.future.set_running_or_notify_cancel():
+                jobs.append(job)
+        return jobs
+
+    def _answer_job(self, job: Job) -> None:
+        """Answer `job` with every row's result, and the log-probabilities it asked for (the model computes them
+        here, on the worker)."""
+        try:
+            answers = [self._answer(job, row, result) for row, result in zip(job.rows, job.results, strict=True)]
+        except Exception as e:  # noqa: BLE001 - the job hears of it; the worker goes on
+            job.future.set_exception(e)
+            return
+        job.future.set_result(answers)
+
+    def _answer(self, job: Job, row: TextRequest, result: TextResult | None) -> RowAnswer:
+        assert result is not None
+        spec = job.logprobs
+        if spec is None or job.cancelled:
+            return RowAnswer(result)
+        taken = result.token_ids[:result.completion.completion_tokens]
+        sequence = row.prompt_ids + taken
+        start = 1 if spec.prompt_too else len(row.prompt_ids)
+        return RowAnswer(result, self.runner.logprobs(sequence, spec.top_k, start) if start < len(sequence) else [])
+
+
+class RequestBatcher(Batcher):
+    """The worker thread and its line over `runner`: calls of at most `max_rows` rows that give way to waiting
+    requests after `round_tokens` tokens; with `invariant`, calls of one row that never give way (see above)."""
+
+    def __init__(self, runner: RuntimeCompletions, max_rows: int, round_tokens: int = ROUND_TOKENS, *,
+                 invariant: bool = False) -> None:
+        super().__init__(runner)
+        self.round_tokens, self.invariant = round_tokens, invariant
+        self.max_rows = 1 if invariant else max_rows
+        self._line: list[Job] = []  # jobs with rows waiting for a call, in the order they are served
+        self.worker.start()
+
     # -- the worker -------------------------------------------------------------------------------------------
 
     def _work(self) -> None:
@@ -165,16 +214,7 @@ class RequestBatcher:
 
     def _take_arrivals(self, block: bool) -> None:
         """Put the jobs submitted since the last look in line (waiting for one when `block`)."""
-        while not self._closing:
-            try:
-                job = self._queue.get(block=block)
-            except queue.Empty:
-                return
-            block = False
-            if job is None:
-                self._closing = True  # once the jobs in line are done
-            elif job.future.set_running_or_notify_cancel():
-                self._line.append(job)
+        self._line += self._arrivals(block)
 
     def _end_cancelled(self) -> None:
         """The waiting rows of jobs whose client went away end without a call."""
@@ -264,21 +304,3 @@ class RequestBatcher:
         job.results[i] = result
         if job.ended and (job.logprobs is None or job.cancelled):
             self._answer_job(job)
-
-    def _answer_job(self, job: Job) -> None:
-        try:
-            answers = [self._answer(job, row, result) for row, result in zip(job.rows, job.results, strict=True)]
-        except Exception as e:  # noqa: BLE001 - the job hears of it; the worker goes on
-            job.future.set_exception(e)
-            return
-        job.future.set_result(answers)
-
-    def _answer(self, job: Job, row: TextRequest, result: TextResult | None) -> RowAnswer:
-        assert result is not None
-        spec = job.logprobs
-        if spec is None or job.cancelled:
-            return RowAnswer(result)
-        taken = result.token_ids[:result.completion.completion_tokens]
-        sequence = row.prompt_ids + taken
-        start = 1 if spec.prompt_too else len(row.prompt_ids)
-        return RowAnswer(result, self.runner.logprobs(sequence, spec.top_k, start) if start < len(sequence) else [])

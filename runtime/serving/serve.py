@@ -105,7 +105,8 @@ class CompletionsServer(ThreadingHTTPServer):
 
     def __init__(self, address: tuple[str, int], runner: RuntimeCompletions, served_model: str, *,
                  limits: ServeLimits = DEFAULT_LIMITS, api_key: str | None = None, log: Log | None = None,
-                 report: Log = print_to_stderr, aliases: tuple[str, ...] = (), invariant: bool = False) -> None:
+                 report: Log = print_to_stderr, aliases: tuple[str, ...] = (), invariant: bool = False,
+                 prefill_tokens: int | None = None) -> None:
         if api_key is not None and not api_key.strip():
             raise NpuportError("the API key is empty; give a key or none")
         self.request_queue_size = LISTEN_BACKLOG  # read by server_activate
@@ -121,7 +122,8 @@ class CompletionsServer(ThreadingHTTPServer):
             self.socket.close()
             raise NpuportError(f"cannot listen on {host_port(*address)}: {e.strerror or e}") from None
         try:
-            self.service = OpenAIService(runner, served_model, runner.batch_size, aliases=aliases, invariant=invariant)
+            self.service = OpenAIService(runner, served_model, runner.batch_size, aliases=aliases, invariant=invariant,
+                                         prefill_tokens=prefill_tokens)
         except BaseException:
             self.socket.close()
             raise
@@ -233,11 +235,12 @@ class CompletionsServer(ThreadingHTTPServer):
 def make_server(runner: RuntimeCompletions, served_model: str, host: str = DEFAULT_HOST, port: int = 0,
                 log: Log | None = None, *, limits: ServeLimits = DEFAULT_LIMITS, api_key: str | None = None,
                 report: Log = print_to_stderr, aliases: tuple[str, ...] = (),
-                invariant: bool = False) -> CompletionsServer:
+                invariant: bool = False, prefill_tokens: int | None = None) -> CompletionsServer:
     """A bound server (port 0: any free port; see `.url`); call `serve_forever()`, then `shutdown()`. Requests
-    may name the model `served_model` or one of `aliases`; `invariant`: batch-invariant answers (batching.py)."""
+    may name the model `served_model` or one of `aliases`; `invariant`: batch-invariant answers (batching.py);
+    prefill_tokens: the most prompt positions an iteration of continuous batching prefills (continuous.py)."""
     return CompletionsServer((host, port), runner, served_model, limits=limits, api_key=api_key, log=log,
-                             report=report, aliases=aliases, invariant=invariant)
+                             report=report, aliases=aliases, invariant=invariant, prefill_tokens=prefill_tokens)
 
 
 def served_names(path: Path | str, served_model: str | None) -> tuple[str, tuple[str, ...]]:
@@ -251,7 +254,7 @@ def served_names(path: Path | str, served_model: str | None) -> tuple[str, tuple
 
 def serve_model(path: Path | str, *, host: str = DEFAULT_HOST, port: int = 0, served_model: str | None = None,
                 device: str | None = None, dtype: str = "bfloat16", mtp: int = 0, dispatch: str | None = None,
-                max_batch_size: int = 16, batch_invariant: bool | None = None,
+                max_batch_size: int = 16, batch_invariant: bool | None = None, prefill_tokens: int | None = None,
                 limits: ServeLimits = DEFAULT_LIMITS, api_key: str | None = None, announce: Log = print,
                 log: Log | None = None, warn: Log = print_to_stderr,
                 shutdown_timeout_s: float = SHUTDOWN_TIMEOUT_S) -> None:
@@ -264,13 +267,15 @@ def serve_model(path: Path | str, *, host: str = DEFAULT_HOST, port: int = 0, se
                                      dispatch=dispatch, invariant=batch_invariant)
     name, aliases = served_names(path, served_model)
     server = make_server(runner, name, host, port, log, limits=limits, api_key=api_key, report=warn,
-                         aliases=aliases, invariant=bool(batch_invariant))
+                         aliases=aliases, invariant=bool(batch_invariant), prefill_tokens=prefill_tokens)
     warning = exposure_warning(server.server_address[0], key_required=api_key is not None)
     if warning is not None:
         warn(warning)
     world = runner.model.parallel.world
     devices = f"{runner.model.device} x {world}" if world > 1 else f"{runner.model.device}"
-    rows = "one row per call, batch-invariant" if batch_invariant else f"batches of up to {max_batch_size} rows"
+    rows = ("one row per call, batch-invariant" if batch_invariant
+            else f"continuous batching of up to {max_batch_size} rows, "
+                 f"{server.service.batcher.prefill_tokens} prompt tokens prefilled per step")
     announce(f"serving {path} as model {name!r} on {server.url}/v1 (device {devices}, {dtype}, MTP k={mtp}, {rows}); "
              f"Prometheus metrics on {server.url}/metrics; Ctrl-C stops it")
     try:

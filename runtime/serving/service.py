@@ -44,6 +44,7 @@ from npuport.runtime.serving.api_requests import (
     within_context,
 )
 from npuport.runtime.serving.batching import Job, LogprobSpec, RequestBatcher, RowAnswer
+from npuport.runtime.serving.continuous import ContinuousBatcher
 from npuport.runtime.serving.metrics import Request, ServeMetrics
 from npuport.runtime.text_completions import RuntimeCompletions, TextRequest
 from npuport.runtime.token_logprobs import PositionLogprobs
@@ -102,12 +103,14 @@ class Prepared:
 
 class OpenAIService:
     """The served model (`runner`, named `served_model` to clients, who may also name it by one of `aliases`)
-    behind a RequestBatcher of `max_rows` rows (batch-invariant with `invariant`: one row per call). max_prompt_bytes:
+    behind a ContinuousBatcher of `max_rows` rows prefilling at most `prefill_tokens` positions an iteration (None:
+    its default for the device) - with `invariant`, a RequestBatcher of one row per call. max_prompt_bytes:
     the most bytes of text a prompt may have to be tokenized (None: PROMPT_BYTES_PER_TOKEN for each token the
     request's prompts may have)."""
 
     def __init__(self, runner: RuntimeCompletions, served_model: str, max_rows: int, *,
-                 max_prompt_bytes: int | None = None, aliases: Sequence[str] = (), invariant: bool = False) -> None:
+                 max_prompt_bytes: int | None = None, aliases: Sequence[str] = (), invariant: bool = False,
+                 prefill_tokens: int | None = None) -> None:
         if runner.context_tokens is None:
             raise NpuportError("the model's config.json states no max_position_embeddings; serve needs the "
                                "model's context to bound what a request may ask for")
@@ -115,7 +118,8 @@ class OpenAIService:
             raise NpuportError(f"the most bytes of a text prompt must be positive, got {max_prompt_bytes}")
         self.runner, self.served_model, self.max_prompt_bytes = runner, served_model, max_prompt_bytes
         self.aliases = tuple(a for a in aliases if a != served_model)
-        self.batcher = RequestBatcher(runner, max_rows, invariant=invariant)
+        self.batcher = (RequestBatcher(runner, max_rows, invariant=True) if invariant
+                        else ContinuousBatcher(runner, max_rows, prefill_tokens))
         self.metrics = ServeMetrics(served_model)
 
     def close(self) -> None:

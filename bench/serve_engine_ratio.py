@@ -1,0 +1,108 @@
+"""Benchmark: `npuport serve` under concurrent clients against the engine's own batch, same model, same prompts,
+in the same run (issue 41's GPU acceptance: output tok/s of 32 clients >= 0.75x the engine's batch of 32).
+
+    python -P bench/serve_engine_ratio.py --out DIR [--like 35B-A3B] [--layers 8] [--clients 32]
+                                          [--prompt-tokens 512] [--new-tokens 64] [--requests-per-client 3]
+                                          [--mtp 0,1] [--model ARTIFACT]
+
+make-tiny --like at reduced depth (random weights), converted to W8A8 (or --model: an artifact), on the first
+accelerator. For each MTP setting, one runtime:
+- engine: measure_throughput of the --clients prompts as one generate call (greedy, new tokens each, ignore EOS):
+  output tok/s of the whole call (its prefill included) and decode tok/s (the call without its prefill);
+- serve: the same runtime behind `npuport serve`'s HTTP server in this process; --clients client threads, each
+  sending --requests-per-client requests one after another (its own prompt, ignore_eos, the same new tokens),
+  after one warm-up burst of every client once: output tokens over the wall time of the timed bursts.
+Prints and writes (DIR/serve_engine_ratio.json) every figure and the ratios serve / engine.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import threading
+import time
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+from bench.engines.engine_servers import post_json  # noqa: E402
+
+
+def artifact(args) -> Path:
+    from npuport.convert.converter import convert_qwen35
+    from npuport.fixtures.tiny_checkpoint import like_spec, make_tiny
+
+    if args.model is not None:
+        return args.model
+    source = make_tiny(args.out / "source", like_spec(args.like, args.layers))
+    return convert_qwen35(source, args.out / "w8a8", show_progress=False, log=lambda m: None, workers=4).out
+
+
+def serve_throughput(runner, prompts: list[list[int]], new_tokens: int, per_client: int) -> dict:
+    from npuport.runtime.serving.serve import make_server
+
+    server = make_server(runner, "bench")
+    threading.Thread(target=server.serve_forever, kwargs={"poll_interval": 0.01}, daemon=True).start()
+
+    def client(prompt: list[int], requests: int) -> int:
+        made = 0
+        for _ in range(requests):
+            body = {"prompt": [prompt], "max_tokens": new_tokens, "temperature": 0, "ignore_eos": True}
+            made += post_json(server.url + "/v1/completions", body)["usage"]["completion_tokens"]
+        return made
+
+    try:
+        with ThreadPoolExecutor(len(prompts)) as pool:
+            list(pool.map(lambda p: client(p, 1), prompts))  # warm-up: graphs of the batch sizes met
+            start = time.perf_counter()
+            tokens = sum(pool.map(lambda p: client(p, per_client), prompts))
+            seconds = time.perf_counter() - start
+    finally:
+        server.shutdown()
+        server.server_close()
+    return {"output_tokens": tokens, "seconds": seconds, "output_tokens_per_s": tokens / seconds}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--out", type=Path, required=True)
+    parser.add_argument("--model", type=Path, default=None)
+    parser.add_argument("--like", default="35B-A3B")
+    parser.add_argument("--layers", type=int, default=8)
+    parser.add_argument("--clients", type=int, default=32)
+    parser.add_argument("--prompt-tokens", type=int, default=512)
+    parser.add_argument("--new-tokens", type=int, default=64)
+    parser.add_argument("--requests-per-client", type=int, default=3)
+    parser.add_argument("--mtp", default="0,1")
+    args = parser.parse_args()
+    args.out.mkdir(parents=True, exist_ok=True)
+    from npuport.runtime.text_completions import RuntimeCompletions
+    from npuport.runtime.validation.throughput import measure_throughput
+
+    path = artifact(args)
+    g = torch.Generator().manual_seed(0)
+    prompts = torch.randint(10, 2000, (args.clients, args.prompt_tokens), generator=g).tolist()
+    summary: dict = {"like": args.like, "layers": args.layers, "clients": args.clients,
+                     "prompt_tokens": args.prompt_tokens, "new_tokens": args.new_tokens,
+                     "device": torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu", "runs": []}
+    for k in [int(x) for x in args.mtp.split(",")]:
+        runner = RuntimeCompletions.load(path, batch_size=args.clients, mtp=k)
+        engine = measure_throughput(runner.model, prompts, args.new_tokens, mtp=k, label=f"mtp {k}", repeats=2)
+        served = serve_throughput(runner, prompts, args.new_tokens, args.requests_per_client)
+        run = {"mtp": k, "engine_output_tokens_per_s": engine.output_tokens_per_s,
+               "engine_decode_tokens_per_s": engine.decode_tokens_per_s, "serve": served,
+               "serve_vs_engine_output": served["output_tokens_per_s"] / engine.output_tokens_per_s,
+               "serve_vs_engine_decode": served["output_tokens_per_s"] / engine.decode_tokens_per_s}
+        summary["runs"].append(run)
+        print(json.dumps(run), flush=True)
+        (args.out / "serve_engine_ratio.json").write_text(json.dumps(summary, indent=2) + "\n")
+        del runner
+        torch.cuda.empty_cache()
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,360 @@
+"""Continuous batching for `npuport serve`: one worker thread owns the model and its pool of slots
+(runtime/slots.py) and runs, again and again, one iteration of
+
+1. arrivals: the rows (a prompt x n each) of new requests wait in line, in order;
+2. admission: the rows in line that fit take staging slots, together (those admitted in one iteration form a
+   group: they prefill side by side, in chunks of one width fixed when the group forms, so that a group's
+   arithmetic does not depend on what else runs) - one row of each request in turn, the requests with the fewest
+   rows in the batch first. When the batch is full, the row that has decoded longest since it took its slot (at
+   least ROUND_TOKENS tokens, of a request with more rows in the batch than the next in line's) gives its slot
+   back and goes in line, to go on later from its tokens (prompt and tokens prefilled again): a request of many
+   long rows cannot hold every slot while another waits;
+3. prefill: chunks of the groups, at most `prefill_tokens` positions in all - the group closest to done first
+   (a short prompt is not held behind a long one), each group at most one chunk; a group that got no chunk goes
+   first next time, so that short prompts arriving without end cannot starve a long one. A row whose prompt is in
+   takes its first token and moves to a decode slot;
+4. decode: a few decode steps (MTP rounds with MTP) of every row that decodes - at most SYNC_EVERY, fewer when a
+   row needs fewer tokens - then the host looks at their tokens: streams them, ends rows at their stop tokens,
+   stop strings or max_tokens, and a row that ended leaves its slot at once.
+
+So a request joins the running batch at the next iteration, no request waits for another's whole prefill or
+whole generation, and a long prompt's prefill is interleaved with everyone's decode steps. A request whose
+client went away (Job.cancel) leaves at the next iteration, from the line, its prefill or its decode. A request
+that asks for log-probabilities gets them computed by the worker once its rows have ended.
+
+Each row samples with a generator of its own (seeded from the request's seed and the row's number, else from a
+seed drawn here), so its draws do not depend on its neighbours. Decode steps batch every row: their rounding
+follows the batch size unless the steps are batch-invariant (the run options); `serve --batch-invariant` keeps the
+RequestBatcher's one row at a time.
+"""
+
+from __future__ import annotations
+
+import itertools
+import random
+from collections import deque
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+
+from npuport.devices import graphs_supported
+from npuport.runtime.completion import CANCELLED, Completion, stop_at, stop_token_end
+from npuport.runtime.generate import SYNC_EVERY
+from npuport.runtime.serving.batching import ROUND_TOKENS, Batcher, Job, round_seed
+from npuport.runtime.slots import ChunkRow, RowSampling
+from npuport.runtime.text_completions import RuntimeCompletions, TextRequest, TextResult
+
+# Positions one iteration prefills at most, over all groups: on a CPU a chunk of a long context costs seconds per
+# thousand positions (a 4 x 32k prompt's last chunks most), and the rows that decode wait for it; a device
+# with graphs prefills far more in the time of a few decode steps.
+PREFILL_TOKENS_CPU = 256
+PREFILL_TOKENS_DEVICE = 4096
+
+
+def default_prefill_tokens(runner: RuntimeCompletions) -> int:
+    return PREFILL_TOKENS_DEVICE if graphs_supported(runner.model.device) else PREFILL_TOKENS_CPU
+
+
+@dataclass(eq=False)
+class Row:
+    """One row of a job on its way: the tokens it runs on (prompt, then what an earlier call made), its
+    generated tokens, how much of its prompt is in, and how many tokens it has streamed."""
+
+    job: Job
+    index: int
+    request: TextRequest
+    prompt: list[int]
+    tokens: list[int]
+    stop_tokens: frozenset[int]
+    order: int = 0  # arrival order: among rows of jobs equally present in the batch, the older goes first
+    prefilled: int = 0
+    streamed: int = 0
+    since: int = 0  # tokens made since it last took a decode slot
+    turns: int = 0  # times it gave its slot to a waiting request (a sampler's seed changes with each)
+    ended: bool = False
+
+    @property
+    def left(self) -> int:
+        """Tokens it may still make."""
+        return self.request.max_tokens - len(self.tokens)
+
+
+@dataclass(eq=False)
+class Group:
+    """Rows admitted together: staging slots first..first + len(rows), prefilled in chunks of `width`."""
+
+    rows: list[Row]
+    first: int
+    width: int
+    started: bool = False
+    skipped: bool = False  # got no chunk last iteration: goes first in the next
+
+    @property
+    def remaining(self) -> int:
+        return max((len(r.prompt) - r.prefilled for r in self.rows if not r.ended), default=0)
+
+    @property
+    def positions(self) -> int:
+        return self.width * len(self.rows)
+
+
+@dataclass
+class Slots:
+    """The host's record of the pool: which row decodes in each decode slot, which staging slots are free."""
+
+    rows: int
+    decoding: list[Row] = field(default_factory=list)
+    staging_free: list[bool] = field(default_factory=list)
+
+    def __post_init__(self) -> None:
+        self.staging_free = [True] * self.rows
+
+    def free_run(self) -> tuple[int, int]:
+        """The longest run of free staging slots: (its first slot, its length)."""
+        best, start = (0, 0), None
+        for i, free in enumerate([*self.staging_free, False]):
+            if free and start is None:
+                start = i
+            elif not free and start is not None:
+                best = max(best, (start, i - start), key=lambda run: run[1])
+                start = None
+        return self.rows + best[0], best[1]
+
+
+class ContinuousBatcher(Batcher):
+    """The worker and its iterations (see the module's docstring) over `runner`'s model: at most `max_rows` rows
+    in the batch (prefilling or decoding), at most `prefill_tokens` prompt positions prefilled per iteration."""
+
+    def __init__(self, runner: RuntimeCompletions, max_rows: int, prefill_tokens: int | None = None) -> None:
+        super().__init__(runner)
+        self.max_rows = max_rows
+        self.prefill_tokens = prefill_tokens or default_prefill_tokens(runner)
+        k = runner.options.mtp
+        self.slack = SYNC_EVERY * (k + 1) + k + 1  # positions a row may run past its last token before the host looks
+        self.capacity = 0
+        self.waiting: deque[Row] = deque()
+        self.groups: list[Group] = []
+        self.slots = Slots(max_rows)
+        self.round_tokens = ROUND_TOKENS
+        self._seeds = random.Random()
+        self._arrived = itertools.count()
+        self.worker.start()
+
+    # -- the worker -------------------------------------------------------------------------------------------
+
+    def _work(self) -> None:
+        try:
+            while True:
+                busy = bool(self.waiting or self.groups or self.slots.decoding)
+                self._line_up(self._arrivals(block=not busy))
+                if self._closing and not (self.waiting or self.groups or self.slots.decoding):
+                    return
+                try:
+                    self._iterate()
+                except Exception as e:  # noqa: BLE001 - every request in the batch hears of it; the worker goes on
+                    self._fail_all(e)
+        finally:
+            if self.capacity:
+                self.runner.close_slots()
+
+    def _iterate(self) -> None:
+        self._leave_cancelled()
+        self._admit()
+        self._prefill()
+        self._decode()
+
+    def _line_up(self, jobs: Sequence[Job]) -> None:
+        for job in jobs:
+            for i, request in enumerate(job.rows):
+                stop_tokens = self.runner.stop_set(request)
+                self.waiting.append(Row(job, i, request, [*request.prompt_ids, *request.generated],
+                                        list(request.generated), stop_tokens, next(self._arrived)))
+
+    def _fail_all(self, error: Exception) -> None:
+        """A model call failed: every request in the batch or in line is answered with the error, the pool goes."""
+        jobs = {row.job for row in [*self.waiting, *self.slots.decoding] + [r for g in self.groups for r in g.rows]}
+        for job in jobs:
+            if not job.future.done():
+                job.future.set_exception(error)
+        self.waiting.clear()
+        self.groups.clear()
+        self.slots = Slots(self.max_rows)
+        self.runner.close_slots()
+        self.capacity = 0
+
+    # -- rows in and out --------------------------------------------------------------------------------------
+
+    def _leave_cancelled(self) -> None:
+        """Rows of requests whose client went away end where they are: in line, in a prefill, or decoding."""
+        for row in [row for row in self.waiting if row.job.cancelled]:
+            self.waiting.remove(row)
+            self._end(row, cancelled=True)
+        for group in self.groups:
+            for row in group.rows:
+                if row.job.cancelled and not row.ended:
+                    self._end(row, cancelled=True)
+        self._drop_prefilled_groups()
+        if any(row.job.cancelled for row in self.slots.decoding):
+            for row in self.slots.decoding:
+                if row.job.cancelled:
+                    self._end(row, cancelled=True)
+            self._compact()
+
+    def _in_batch(self) -> dict[Job, int]:
+        """Each job's rows in the batch (prefilling or decoding)."""
+        count: dict[Job, int] = {}
+        for row in [*self.slots.decoding, *(r for g in self.groups for r in g.rows if not r.ended)]:
+            count[row.job] = count.get(row.job, 0) + 1
+        return count
+
+    def _next_in_line(self, count: int) -> list[Row]:
+        """The `count` rows in line to go next, taken from it: one row of each job in turn, the jobs with the fewest
+        rows in the batch first (a new request is not held behind the rest of a request of many rows)."""
+        present = self._in_batch()
+        chosen = []
+        for _ in range(count):
+            row = min(self.waiting, key=lambda r: (present.get(r.job, 0), r.order))
+            self.waiting.remove(row)
+            present[row.job] = present.get(row.job, 0) + 1
+            chosen.append(row)
+        return chosen
+
+    def _make_way(self) -> None:
+        """With the batch full and rows in line, the row that has decoded longest since it took its slot - at least
+        round_tokens tokens, and of a job with more rows in the batch than the next in line's - gives its slot
+        back and goes in line, to go on from its tokens (its prompt and tokens prefilled again) in a later turn."""
+        if not self.waiting:
+            return
+        present = self._in_batch()
+        waiting = min(present.get(r.job, 0) for r in self.waiting)
+        candidates = [r for r in self.slots.decoding if r.since >= self.round_tokens and present[r.job] > waiting]
+        if not candidates:
+            return
+        row = max(candidates, key=lambda r: r.since)
+        row.prompt, row.prefilled, row.since = [*row.request.prompt_ids, *row.tokens], 0, 0
+        row.turns += 1
+        self.waiting.append(row)
+        self._compact(leaving={row})
+
+    def _admit(self) -> None:
+        """The rows in line that fit (the batch's rows, a contiguous run of staging slots) form a new group."""
+        if len(self.slots.decoding) + sum(len(g.rows) for g in self.groups) >= self.max_rows:
+            self._make_way()
+        room = self.max_rows - len(self.slots.decoding) - sum(len(g.rows) for g in self.groups)
+        first, run = self.slots.free_run()
+        count = min(room, run, len(self.waiting))
+        if count <= 0:
+            return
+        rows = self._next_in_line(count)
+        need = max(len(r.prompt) + r.left for r in rows) + self.slack
+        if need > self.capacity:
+            self.capacity = self.runner.open_slots(self.max_rows, max(need, 2 * self.capacity))
+        for slot in range(first, first + count):
+            self.slots.staging_free[slot - self.max_rows] = False
+        self.groups.append(Group(rows, first, max(1, self.prefill_tokens // count)))
+
+    def _prefill(self) -> None:
+        """One chunk of each group that fits this iteration's budget (see the module's docstring)."""
+        budget, ran = self.prefill_tokens, False
+        for group in sorted(self.groups, key=lambda g: (not g.skipped, g.remaining)):
+            if ran and group.positions > budget:
+                group.skipped = True
+                continue
+            self._prefill_chunk(group)
+            group.skipped, ran = False, True
+            budget -= group.positions
+        self._drop_prefilled_groups()
+
+    def _prefill_chunk(self, group: Group) -> None:
+        chunk = []
+        for row in group.rows:
+            if row.ended or row.prefilled >= len(row.prompt):
+                chunk.append(ChunkRow([], None))
+                continue
+            end = row.prefilled + group.width
+            chunk.append(ChunkRow(row.prompt[row.prefilled:end], row.prompt[end] if end < len(row.prompt) else None))
+            row.prefilled = min(end, len(row.prompt))
+        samplers = None if group.started else [self._sampler(row) for row in group.rows]
+        group.started = True
+        firsts = self.runner.prefill_slots(group.first, chunk, group.width, samplers)
+        moving = []
+        for i, (row, first) in enumerate(zip(group.rows, firsts, strict=True)):
+            if first is None or row.ended:
+                continue
+            self._take(row, [first])
+            if not row.ended:
+                moving.append((group.first + i, len(self.slots.decoding)))
+                self.slots.decoding.append(row)
+        self.runner.move_slots([s for s, _ in moving], [t for _, t in moving])
+
+    def _sampler(self, row: Row) -> RowSampling:
+        params = row.job.sampling
+        if params.greedy:
+            return RowSampling(params)
+        seed = (self._seeds.getrandbits(63) if params.seed is None
+                else round_seed(round_seed(params.seed, row.index), row.turns))
+        return RowSampling(params, seed)
+
+    def _drop_prefilled_groups(self) -> None:
+        """Groups none of whose rows has prompt left free their staging slots."""
+        for group in [g for g in self.groups if all(r.ended or r.prefilled >= len(r.prompt) for r in g.rows)]:
+            self.groups.remove(group)
+            for slot in range(group.first, group.first + len(group.rows)):
+                self.slots.staging_free[slot - self.max_rows] = True
+
+    def _decode(self) -> None:
+        """A few decode steps of every row that decodes; rows that ended leave their slots."""
+        decoding = self.slots.decoding
+        if not decoding:
+            return
+        rounds = min(SYNC_EVERY, min(row.left for row in decoding))
+        for result in self.runner.decode_slots(len(decoding), rounds):
+            for row, new in zip(decoding, result.tokens, strict=True):
+                if not row.ended:
+                    row.since += len(new)
+                    self._take(row, new)
+        self._compact()
+
+    def _compact(self, leaving: set[Row] = frozenset()) -> None:
+        """The rows that decode fill slots [0, n) again: each slot a row that ended (or is `leaving`) left below n
+        gets one of the rows above."""
+        decoding = self.slots.decoding
+        gone = [row.ended or row in leaving for row in decoding]
+        n = gone.count(False)
+        holes = [slot for slot in range(n) if gone[slot]]
+        fillers = [slot for slot in range(n, len(decoding)) if not gone[slot]]
+        self.runner.move_slots(fillers, holes)
+        for hole, filler in zip(holes, fillers, strict=True):
+            decoding[hole] = decoding[filler]
+        del decoding[n:]
+
+    def _take(self, row: Row, new: list[int]) -> None:
+        """Add `new` tokens to `row`, stream what its answer keeps, and end it if they end it."""
+        request = row.request
+        row.tokens += new
+        stop = stop_token_end(row.tokens, row.stop_tokens, request.min_tokens)
+        keep = min(request.max_tokens, len(row.tokens) if stop is None else stop)
+        if row.job.on_tokens is not None and keep > row.streamed:
+            row.job.on_tokens(row.index, row.tokens[row.streamed:keep])
+            row.streamed = keep
+        if keep < len(row.tokens) or keep >= request.max_tokens or self._holds_stop_string(row):
+            del row.tokens[keep:]
+            self._end(row)
+
+    def _holds_stop_string(self, row: Row) -> bool:
+        request = row.request
+        if not request.stop or len(row.tokens) <= request.min_tokens:
+            return False
+        after = len(self.runner.decode(row.tokens[:request.min_tokens])) if request.min_tokens else 0
+        return stop_at(self.runner.decode(row.tokens), request.stop, after) is not None
+
+    def _end(self, row: Row, cancelled: bool = False) -> None:
+        """Row's result is in; its job is answered once every row's is."""
+        row.ended = True
+        job = row.job
+        if cancelled:
+            result = TextResult(Completion(self.runner.decode(row.tokens), len(row.tokens), CANCELLED), row.tokens)
+        else:
+            result = self.runner.finish(row.request, row.tokens)
+        job.results[row.index] = result
+        if job.ended and not job.future.done():
+            self._answer_job(job)

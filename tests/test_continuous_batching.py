@@ -1,0 +1,218 @@
+"""Continuous batching (runtime/slots.py, runtime/serving/continuous.py): rows that join a running batch at
+different times, prefilled in chunks between the others' decode steps, give generate()'s tokens for the same
+prompt alone (float64 on the CPU, where a batch's rounding cannot hide a wrong state), with and without MTP; a
+seeded row draws the same tokens whatever its neighbours; and over real HTTP a short request is answered while a
+long prompt prefills, which then completes with the tokens it makes alone - or stops prefilling once its client
+goes away."""
+
+from __future__ import annotations
+
+import json
+import threading
+import time
+import urllib.request
+
+import pytest
+import torch
+
+from npuport.fixtures.train_tiny import trained_tiny_path
+from npuport.runtime.generate import generate
+from npuport.runtime.loader import load_model
+from npuport.runtime.run_options import run_options
+from npuport.runtime.sampling import SamplingParams
+from npuport.runtime.serving.batching import Job
+from npuport.runtime.serving.continuous import ContinuousBatcher
+from npuport.runtime.serving.serve import make_server
+from npuport.runtime.slots import ChunkRow, RowSampling, decode_slots, move_slots, open_slots, prefill_slots
+from npuport.runtime.text_completions import RuntimeCompletions, TextRequest
+
+pytestmark = pytest.mark.usefixtures("one_cpu_thread")
+
+
+@pytest.fixture(scope="module")
+def model64():
+    return load_model(trained_tiny_path(), "cpu", torch.float64)
+
+
+def prompts(count: int, seed: int, low: int = 5, high: int = 60) -> list[list[int]]:
+    g = torch.Generator().manual_seed(seed)
+    lengths = torch.randint(low, high, (count,), generator=g).tolist()
+    return [torch.randint(10, 2000, (n,), generator=g).tolist() for n in lengths]
+
+
+def prefill_alone(model, slot: int, prompt: list[int], width: int) -> int:
+    """Prefill one prompt into `slot` in chunks of `width`; its first token."""
+    first = None
+    for s in range(0, len(prompt), width):
+        after = prompt[s + width] if s + width < len(prompt) else None
+        first = prefill_slots(model, slot, [ChunkRow(prompt[s:s + width], after)], width,
+                              [RowSampling()] if s == 0 else None)[0]
+    return first
+
+
+def joining_schedule(model, options, rows: list[list[int]], new: int) -> list[list[int]]:
+    """Four prompts through a pool of 4 slots: the first two prefilled together (chunks of 7), decoding while the
+    third and then the fourth join (chunks of 11); at least `new` tokens each, in order."""
+    open_slots(model, options, 4, 256)
+    made: list[list[int]] = []
+    # a group of two prompts of different lengths, chunks of 7, then two more joining one at a time
+    firsts = [None, None]
+    for s in range(0, max(len(rows[0]), len(rows[1])), 7):
+        chunk = []
+        for p in rows[:2]:
+            part = p[s:s + 7]
+            chunk.append(ChunkRow(part, p[s + 7] if s + 7 < len(p) else None))
+        got = prefill_slots(model, 4, chunk, 7, [RowSampling()] * 2 if s == 0 else None)
+        firsts = [f if f is not None else g for f, g in zip(firsts, got, strict=True)]
+    move_slots(model, [4, 5], [0, 1])
+    made += [[firsts[0]], [firsts[1]]]
+    for joining in (2, 3):
+        for result in decode_slots(model, joining, 3):
+            for row in range(joining):
+                made[row] += result.tokens[row]
+        made.append([prefill_alone(model, 4 + joining, rows[joining], 11)])
+        move_slots(model, [4 + joining], [joining])
+    while min(len(m) for m in made) < new:
+        for result in decode_slots(model, 4, 2):
+            for row in range(4):
+                made[row] += result.tokens[row]
+    return [m[:new] for m in made]
+
+
+@pytest.mark.parametrize("k", [0, 1, 2])
+def test_rows_joining_a_running_batch_make_the_tokens_they_make_alone(model64, k):
+    options = run_options(model64, k)
+    rows, new = prompts(4, seed=k), 24
+    alone = [generate(model64, [p], new, options).tokens[0] for p in rows]
+    assert joining_schedule(model64, options, rows, new) == alone
+
+
+def test_a_row_that_leaves_gives_its_slot_to_the_last_and_the_others_go_on_unchanged(model64):
+    options = run_options(model64, 0)
+    rows = prompts(3, seed=7)
+    alone = [generate(model64, [p], 20, options).tokens[0] for p in rows]
+    open_slots(model64, options, 3, 256)
+    made = [[prefill_alone(model64, 3, p, 16)] for p in rows[:1]]
+    move_slots(model64, [3], [0])
+    for i in (1, 2):
+        made.append([prefill_alone(model64, 3, rows[i], 16)])
+        move_slots(model64, [3], [i])
+    for result in decode_slots(model64, 3, 4):
+        for row in range(3):
+            made[row] += result.tokens[row]
+    move_slots(model64, [2], [0])  # row 0 leaves: the last row takes its slot
+    made = [made[2], made[1]]
+    for result in decode_slots(model64, 2, 15):
+        for row in range(2):
+            made[row] += result.tokens[row]
+    assert made[0][:20] == alone[2] and made[1][:20] == alone[1]
+
+
+class Recorder:
+    """A job's streamed tokens per row."""
+
+    def __init__(self) -> None:
+        self.tokens: dict[int, list[int]] = {}
+
+    def __call__(self, row: int, new: list[int]) -> None:
+        self.tokens.setdefault(row, []).extend(new)
+
+
+@pytest.fixture(scope="module")
+def runner64():
+    return RuntimeCompletions.load(trained_tiny_path(), device="cpu", dtype="float64", batch_size=4)
+
+
+def test_the_batcher_answers_as_generate_streams_and_samples_from_each_rows_own_seed(runner64):
+    batcher = ContinuousBatcher(runner64, 4, prefill_tokens=16)
+    try:
+        rows = prompts(3, seed=3)
+        greedy = [Job([TextRequest(p, 12 + i)], SamplingParams(), on_tokens=Recorder()) for i, p in enumerate(rows)]
+        seeded = Job([TextRequest(rows[0], 10)] * 2, SamplingParams(temperature=1.0, seed=5))
+        alone_seeded = Job([TextRequest(rows[0], 10)] * 2, SamplingParams(temperature=1.0, seed=5))
+        for job in [*greedy, seeded]:
+            batcher.submit(job)
+        answers = [job.future.result(timeout=120) for job in [*greedy, seeded]]
+        batcher.submit(alone_seeded).result(timeout=120)
+    finally:
+        batcher.close(30)
+    for job, answer, p in zip(greedy, answers[:3], rows, strict=True):
+        expected = generate(runner64.model, [p], job.rows[0].max_tokens, runner64.options,
+                            stop_tokens=runner64.stop_tokens).tokens[0]
+        assert answer[0].result.token_ids == expected
+        assert job.on_tokens.tokens[0] == expected  # streamed: every token once, in order
+    seeded_tokens = [a.result.token_ids for a in answers[-1]]
+    assert seeded_tokens == [a.result.token_ids for a in alone_seeded.future.result()]
+    assert seeded_tokens[0] != seeded_tokens[1]  # two rows of one seed draw apart
+
+
+# -- over HTTP: a long prefill does not hold up a short request -------------------------------------------------
+
+def post_ids(url: str, prompt: list[list[int]], max_tokens: int, timeout: float) -> dict:
+    body = json.dumps({"prompt": prompt, "max_tokens": max_tokens, "temperature": 0, "ignore_eos": True}).encode()
+    request = urllib.request.Request(url + "/v1/completions", data=body, headers={"Content-Type": "application/json"})
+    with urllib.request.urlopen(request, timeout=timeout) as response:
+        return json.loads(response.read())
+
+
+LONG_PROMPTS, LONG_TOKENS = 4, 4096  # 16k positions: about 10 s of prefill at 256 a step on one core
+
+
+@pytest.fixture(scope="module")
+def long_request() -> list[list[int]]:
+    g = torch.Generator().manual_seed(11)
+    return torch.randint(10, 2000, (LONG_PROMPTS, LONG_TOKENS), generator=g).tolist()
+
+
+def test_a_short_request_is_answered_while_a_long_prompt_prefills_which_then_makes_its_own_tokens(long_request):
+    runner = RuntimeCompletions.load(trained_tiny_path(), device="cpu", dtype="float32", batch_size=8)
+    server = make_server(runner, "tiny")
+    threading.Thread(target=server.serve_forever, kwargs={"poll_interval": 0.05}, daemon=True).start()
+    try:
+        alone = post_ids(server.url, long_request, 6, 300)
+        started, long_answer = threading.Event(), {}
+
+        def send_long() -> None:
+            started.set()
+            long_answer.update(post_ids(server.url, long_request, 6, 300))
+
+        thread = threading.Thread(target=send_long)
+        thread.start()
+        started.wait()
+        time.sleep(1.0)  # the long prompt is prefilling
+        begin = time.monotonic()
+        short = post_ids(server.url, [[5, 6, 7, 8]], 2, 60)
+        waited = time.monotonic() - begin
+        assert thread.is_alive(), "the long prefill ended before the short request was sent: make it longer"
+        thread.join(300)
+    finally:
+        server.shutdown()
+        server.server_close()
+    assert short["usage"]["completion_tokens"] == 2 and waited < 2.0
+    assert [c["text"] for c in long_answer["choices"]] == [c["text"] for c in alone["choices"]]
+
+
+def test_a_cancelled_request_stops_its_prefill(runner64, long_request, monkeypatch):
+    chunks: list[int] = []
+    prefill = runner64.prefill_slots
+
+    def counted(first, chunk, width, samplers=None):
+        chunks.append(first)
+        return prefill(first, chunk, width, samplers)
+
+    monkeypatch.setattr(runner64, "prefill_slots", counted)
+    batcher = ContinuousBatcher(runner64, 4, prefill_tokens=64)
+    try:
+        job = Job([TextRequest(p, 4) for p in long_request], SamplingParams())
+        batcher.submit(job)
+        while len(chunks) < 3:
+            time.sleep(0.01)
+        job.cancel()
+        answers = job.future.result(timeout=60)
+        after_cancel = len(chunks)
+        short = batcher.submit(Job([TextRequest([5, 6, 7], 2)], SamplingParams())).result(timeout=60)
+    finally:
+        batcher.close(30)
+    assert {a.result.completion.finish_reason for a in answers} == {"cancelled"}
+    assert after_cancel < LONG_TOKENS // 16  # 256 chunks of 16 tokens for the whole prompt: far from all ran
+    assert short[0].result.completion.completion_tokens == 2
