@@ -121,6 +121,36 @@ def test_verify_steps_commit_what_each_request_accepted(gating, config):
         torch.testing.assert_close(replay_pending(state, log)[r : r + 1], want, rtol=1e-4, atol=1e-4)
 
 
+def test_verify_steps_on_a_view_of_a_larger_log_keep_its_other_requests_and_the_bits_of_their_own_log():
+    """Requests 1..2 of a log of 5 (a continuous batch's decode slots as a view of its pool, runtime/slots.py):
+    two verify steps through the view give the bits two steps of a log of their own give, and requests 0, 3, 4 of
+    the larger log are not touched."""
+    b, h, hv, kd, vd, t = 2, 2, 4, 16, 32, 3
+    *inputs, gen = make_inputs(5, b, 2 * t, h, hv, kd, vd)
+    s0 = torch.randn(b, hv, kd, vd, generator=gen)
+    pool = new_log(5, t, h, hv, kd, vd)
+    for x in (pool.keys, pool.log_decay, pool.writes):
+        x.copy_(torch.randn(x.shape, generator=gen))
+    before = pool.clone()
+    view = VerifyLog(pool.keys[:, 1:3], pool.log_decay[:, 1:3], pool.writes[:, 1:3], pool.side, pool.pending[1:3])
+    own = new_log(b, t, h, hv, kd, vd)
+    states = [s0.clone(), s0.clone()]
+    for step in range(2):
+        outs = [fused_recurrent_gated_delta_rule_triton(*prefix(inputs, step * t, step * t + t), state, log)
+                for state, log in zip(states, (view, own), strict=True)]
+        assert torch.equal(outs[0], outs[1])
+        for log in (view, own):
+            log.keep(torch.tensor([2, 1]))
+    assert torch.equal(replay_pending(states[0], view), replay_pending(states[1], own))
+    for name in ("keys", "log_decay", "writes"):
+        for r in (0, 3, 4):
+            assert torch.equal(getattr(pool, name)[:, r], getattr(before, name)[:, r]), name
+    scattered = torch.zeros(2, t, b, h, kd).transpose(1, 2)  # [2, B, S, H, K], each request's slots apart
+    with pytest.raises(ValueError, match="contiguously"):
+        fused_recurrent_gated_delta_rule_triton(*prefix(inputs, 0, t), states[0],
+                                                VerifyLog(scattered, own.log_decay, own.writes, own.side, own.pending))
+
+
 def test_the_reference_keeps_the_same_log_as_the_kernel():
     """The runtime runs the reference on CPU and the kernel elsewhere: one log format for both."""
     *inputs, gen = make_inputs(4, 2, 3, 2, 4, 16, 16)

@@ -1,7 +1,8 @@
 """`npuport serve`: an OpenAI-compatible server on the built-in runtime - `POST /v1/completions` and
 `/v1/chat/completions` (log-probabilities, echo, n, streaming as server-sent events), `GET /v1/models`, `GET
-/health` - whose requests in flight are batched together (batching.py: one worker owns the model; a request that
-arrives while a batch runs joins the next one); http_handler.py reads and answers one connection.
+/health` - whose requests in flight are batched continuously (continuous.py: one worker owns the model; a request
+that arrives while others generate joins their batch at the next step; batching.py with --batch-invariant);
+http_handler.py reads and answers one connection.
 
 The HTTP layer is the standard library's threaded server, not the FastAPI / uvicorn stack of the engines' own
 servers: it does the job as well here - a thread per connection, each waiting on the batcher, and a stream is a
