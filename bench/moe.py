@@ -311,7 +311,7 @@ def end_to_end(args, copy_bps: float, save) -> dict:
     like = args.e2e_like or args.like
     out: dict = {"model": like, "layers": args.e2e_layers, "new_tokens": args.new_tokens, "runs": []}
     start = time.perf_counter()
-    source = make_tiny(args.e2e / "source", like_spec(like, args.e2e_layers))
+    source = args.e2e_source or make_tiny(args.e2e / "source", like_spec(like, args.e2e_layers))
     out["make_tiny_s"] = time.perf_counter() - start
     artifacts = {}  # label -> artifact folder: one per --e2e-recipes name, or the default recipe's
     for recipe in args.e2e_recipes.split(",") if args.e2e_recipes else [None]:
@@ -329,7 +329,7 @@ def end_to_end(args, copy_bps: float, save) -> dict:
     batches = [int(b) for b in args.batches.split(",")]
     prompts = torch.randint(0, 2000, (max(batches), 512), generator=gen).tolist()
     long_prompt = torch.randint(0, 2000, (1, 4096), generator=gen).tolist()
-    for label, path in (("BF16", source), *artifacts.items()):
+    for label, path in (*reversed(artifacts.items()), ("BF16", source)):  # the newest format first
         model = load_model(path, "cuda")
         for batch in batches:
             for k in [int(x) for x in args.e2e_mtp.split(",")]:
@@ -429,6 +429,8 @@ def main() -> None:
     parser.add_argument("--e2e", type=Path, default=None,
                         help="Also whole models: a folder for a `make-tiny --like` checkpoint and its W8A8 artifact.")
     parser.add_argument("--e2e-layers", type=int, default=4)
+    parser.add_argument("--e2e-source", type=Path, default=None,
+                        help="End to end on this make-tiny --like checkpoint instead of making one (its depth counts).")
     parser.add_argument("--e2e-like", default=None, help="The make-tiny --like model end to end (default: --like).")
     parser.add_argument("--e2e-recipes", default="",
                         help="End to end, one artifact per shipped recipe named (comma-separated, e.g. "

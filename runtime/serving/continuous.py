@@ -9,7 +9,8 @@
    least ROUND_TOKENS tokens, of a request with more rows in the batch than the next in line's) gives its slot
    back and goes in line, to go on later from its tokens (prompt and tokens prefilled again): a request of many
    long rows cannot hold every slot while another waits;
-3. prefill: chunks of the groups, at most `prefill_tokens` positions in all - the group closest to done first
+3. prefill: groups not started yet whose slots are adjacent merge (requests a few milliseconds apart prefill in
+   one batch); chunks of the groups, at most `prefill_tokens` positions in all - the group closest to done first
    (a short prompt is not held behind a long one), each group at most one chunk; a group that got no chunk goes
    first next time, so that short prompts arriving without end cannot starve a long one. A row whose prompt is in
    takes its first token and moves to a decode slot;
@@ -94,7 +95,8 @@ class Group:
 
     @property
     def positions(self) -> int:
-        return self.width * len(self.rows)
+        """The prompt positions its next chunk prefills."""
+        return sum(min(self.width, len(r.prompt) - r.prefilled) for r in self.rows if not r.ended)
 
 
 @dataclass
@@ -163,11 +165,15 @@ class ContinuousBatcher(Batcher):
         self._decode()
 
     def _line_up(self, jobs: Sequence[Job]) -> None:
+        """The rows of new jobs go in line; a row with no token left to make (a prompt scored, echo) ends at once."""
         for job in jobs:
             for i, request in enumerate(job.rows):
-                stop_tokens = self.runner.stop_set(request)
-                self.waiting.append(Row(job, i, request, [*request.prompt_ids, *request.generated],
-                                        list(request.generated), stop_tokens, next(self._arrived)))
+                row = Row(job, i, request, [*request.prompt_ids, *request.generated], list(request.generated),
+                          self.runner.stop_set(request), next(self._arrived))
+                if row.left > 0:
+                    self.waiting.append(row)
+                else:
+                    self._end(row)
 
     def _fail_all(self, error: Exception) -> None:
         """A model call failed: every request in the batch or in line is answered with the error, the pool goes."""
@@ -252,8 +258,23 @@ class ContinuousBatcher(Batcher):
             self.slots.staging_free[slot - self.max_rows] = False
         self.groups.append(Group(rows, first, max(1, self.prefill_tokens // count)))
 
+    def _merge_unstarted(self) -> None:
+        """Groups that have not started and hold adjacent staging slots become one (as if admitted together):
+        requests that arrive a few milliseconds apart prefill in one batch."""
+        merged: list[Group] = []
+        for group in sorted(self.groups, key=lambda g: g.first):
+            last = merged[-1] if merged else None
+            if (last is not None and not last.started and not group.started
+                    and last.first + len(last.rows) == group.first):
+                rows = last.rows + group.rows
+                merged[-1] = Group(rows, last.first, max(1, self.prefill_tokens // len(rows)))
+            else:
+                merged.append(group)
+        self.groups = merged
+
     def _prefill(self) -> None:
         """One chunk of each group that fits this iteration's budget (see the module's docstring)."""
+        self._merge_unstarted()
         budget, ran = self.prefill_tokens, False
         for group in sorted(self.groups, key=lambda g: (not g.skipped, g.remaining)):
             if ran and group.positions > budget:
