@@ -155,7 +155,7 @@ def post_ids(url: str, prompt: list[list[int]], max_tokens: int, timeout: float)
         return json.loads(response.read())
 
 
-LONG_PROMPTS, LONG_TOKENS = 4, 4096  # 16k positions: about 10 s of prefill at 256 a step on one core
+LONG_PROMPTS, LONG_TOKENS = 4, 4096  # 16k positions: seconds of prefill in chunks of 256 positions a row
 
 
 @pytest.fixture(scope="module")

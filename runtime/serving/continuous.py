@@ -44,10 +44,11 @@ from npuport.runtime.serving.batching import ROUND_TOKENS, Batcher, Job, round_s
 from npuport.runtime.slots import ChunkRow, RowSampling
 from npuport.runtime.text_completions import RuntimeCompletions, TextRequest, TextResult
 
-# Positions one iteration prefills at most, over all groups: on a CPU a chunk of a long context costs seconds per
-# thousand positions (a 4 x 32k prompt's last chunks most), and the rows that decode wait for it; a device
+# Positions one iteration prefills at most, over all groups: on a CPU a chunk late in a 32k context costs about
+# 0.6 ms a position on the tiny model, and the rows that decode wait for it (1,024: under a second), while a budget
+# of one prompt an iteration starves 32 clients of short prompts (bench/RESULTS.md, "Serving benchmark"); a device
 # with graphs prefills far more in the time of a few decode steps.
-PREFILL_TOKENS_CPU = 256
+PREFILL_TOKENS_CPU = 1024
 PREFILL_TOKENS_DEVICE = 4096
 
 
