@@ -9,9 +9,11 @@ make-tiny --like at reduced depth (random weights), converted to W8A8 (or --mode
 accelerator. For each MTP setting, one runtime:
 - engine: measure_throughput of the --clients prompts as one generate call (greedy, new tokens each, ignore EOS):
   output tok/s of the whole call (its prefill included) and decode tok/s (the call without its prefill);
-- serve: the same runtime behind `npuport serve`'s HTTP server in this process; --clients client threads, each
-  sending --requests-per-client requests one after another (its own prompt, ignore_eos, the same new tokens),
-  after one warm-up burst of every client once: output tokens over the wall time of the timed bursts.
+- serve: `npuport serve` of the same model and settings as a process of its own (`--max-batch-size` --clients);
+  --clients client threads here, each sending --requests-per-client requests one after another (its own prompt,
+  ignore_eos, the same new tokens), after one warm-up burst of every client once: output tokens over the wall time
+  of the timed bursts. (Clients in the server's own process would share its interpreter lock with the worker that
+  drives the model: on a CPU that cost a third of the throughput.)
 Prints and writes (DIR/serve_engine_ratio.json) every figure and the ratios serve / engine.
 """
 
@@ -20,7 +22,6 @@ from __future__ import annotations
 import argparse
 import json
 import sys
-import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
@@ -29,7 +30,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from bench.engines.engine_servers import post_json  # noqa: E402
+from bench.engines.engine_servers import free_port, post_json, serving  # noqa: E402
 
 
 def artifact(args) -> Path:
@@ -42,28 +43,28 @@ def artifact(args) -> Path:
     return convert_qwen35(source, args.out / "w8a8", show_progress=False, log=lambda m: None, workers=4).out
 
 
-def serve_throughput(runner, prompts: list[list[int]], new_tokens: int, per_client: int) -> dict:
-    from npuport.runtime.serving.serve import make_server
+def serve_command(path: Path, port: int, args, mtp: int) -> list[str]:
+    command = [sys.executable, "-m", "npuport.cli", "serve", str(path), "--host", "127.0.0.1", "--port", str(port),
+               "--max-batch-size", str(args.clients), "--max-client-requests", str(args.clients),
+               "--max-connections", str(args.clients), "--mtp", str(mtp), "--dtype", args.dtype, "--quiet"]
+    return command + (["--device", args.device] if args.device else [])
 
-    server = make_server(runner, "bench")
-    threading.Thread(target=server.serve_forever, kwargs={"poll_interval": 0.01}, daemon=True).start()
 
-    def client(prompt: list[int], requests: int) -> int:
-        made = 0
-        for _ in range(requests):
-            body = {"prompt": [prompt], "max_tokens": new_tokens, "temperature": 0, "ignore_eos": True}
-            made += post_json(server.url + "/v1/completions", body)["usage"]["completion_tokens"]
-        return made
+def serve_throughput(command: list[str], port: int, log: Path, prompts: list[list[int]], new_tokens: int,
+                     per_client: int) -> dict:
+    with serving(command, port, log) as url:
+        def client(prompt: list[int], requests: int) -> int:
+            made = 0
+            for _ in range(requests):
+                body = {"prompt": [prompt], "max_tokens": new_tokens, "temperature": 0, "ignore_eos": True}
+                made += post_json(url + "/v1/completions", body)["usage"]["completion_tokens"]
+            return made
 
-    try:
         with ThreadPoolExecutor(len(prompts)) as pool:
             list(pool.map(lambda p: client(p, 1), prompts))  # warm-up: graphs of the batch sizes met
             start = time.perf_counter()
             tokens = sum(pool.map(lambda p: client(p, per_client), prompts))
             seconds = time.perf_counter() - start
-    finally:
-        server.shutdown()
-        server.server_close()
     return {"output_tokens": tokens, "seconds": seconds, "output_tokens_per_s": tokens / seconds}
 
 
@@ -78,6 +79,8 @@ def main() -> None:
     parser.add_argument("--new-tokens", type=int, default=64)
     parser.add_argument("--requests-per-client", type=int, default=3)
     parser.add_argument("--mtp", default="0,1")
+    parser.add_argument("--device", default=None, help="Default: the first accelerator, else the CPU.")
+    parser.add_argument("--dtype", default="bfloat16")
     args = parser.parse_args()
     args.out.mkdir(parents=True, exist_ok=True)
     from npuport.runtime.text_completions import RuntimeCompletions
@@ -90,9 +93,14 @@ def main() -> None:
                      "prompt_tokens": args.prompt_tokens, "new_tokens": args.new_tokens,
                      "device": torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu", "runs": []}
     for k in [int(x) for x in args.mtp.split(",")]:
-        runner = RuntimeCompletions.load(path, batch_size=args.clients, mtp=k)
+        runner = RuntimeCompletions.load(path, device=args.device, dtype=args.dtype, batch_size=args.clients, mtp=k)
         engine = measure_throughput(runner.model, prompts, args.new_tokens, mtp=k, label=f"mtp {k}", repeats=2)
-        served = serve_throughput(runner, prompts, args.new_tokens, args.requests_per_client)
+        del runner  # the server loads its own
+        if torch.cuda.is_available():
+            torch.cuda.empty_cache()
+        port = free_port()
+        served = serve_throughput(serve_command(path, port, args, k), port, args.out / f"serve-mtp{k}.log", prompts,
+                                  args.new_tokens, args.requests_per_client)
         run = {"mtp": k, "engine_output_tokens_per_s": engine.output_tokens_per_s,
                "engine_decode_tokens_per_s": engine.decode_tokens_per_s, "serve": served,
                "serve_vs_engine_output": served["output_tokens_per_s"] / engine.output_tokens_per_s,
@@ -100,8 +108,6 @@ def main() -> None:
         summary["runs"].append(run)
         print(json.dumps(run), flush=True)
         (args.out / "serve_engine_ratio.json").write_text(json.dumps(summary, indent=2) + "\n")
-        del runner
-        torch.cuda.empty_cache()
 
 
 if __name__ == "__main__":
