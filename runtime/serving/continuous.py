@@ -122,6 +122,10 @@ class Slots:
                 start = None
         return self.rows + best[0], best[1]
 
+    def mark_staging(self, first: int, count: int, free: bool) -> None:
+        """Staging slots first..first + count (pool numbers) taken by a group, or freed."""
+        self.staging_free[first - self.rows:first - self.rows + count] = [free] * count
+
 
 class ContinuousBatcher(Batcher):
     """The worker and its iterations (see the module's docstring) over `runner`'s model: at most `max_rows` rows
@@ -178,8 +182,7 @@ class ContinuousBatcher(Batcher):
 
     def _fail_all(self, error: Exception) -> None:
         """A model call failed: every request in the batch or in line is answered with the error, the pool goes."""
-        jobs = {row.job for row in [*self.waiting, *self.slots.decoding] + [r for g in self.groups for r in g.rows]}
-        for job in jobs:
+        for job in {row.job for row in [*self.waiting, *self.slots.decoding, *self._prefilling()]}:
             if not job.future.done():
                 job.future.set_exception(error)
         self.waiting.clear()
@@ -206,10 +209,18 @@ class ContinuousBatcher(Batcher):
                     self._end(row, cancelled=True)
             self._compact()
 
+    def _room(self) -> int:
+        """Rows the batch can take: max_rows less those decoding and those in groups (their slots held)."""
+        return self.max_rows - len(self.slots.decoding) - len(self._prefilling())
+
+    def _prefilling(self) -> list[Row]:
+        """The rows of every group, in order."""
+        return [row for group in self.groups for row in group.rows]
+
     def _in_batch(self) -> dict[Job, int]:
         """Each job's rows in the batch (prefilling or decoding)."""
         count: dict[Job, int] = {}
-        for row in [*self.slots.decoding, *(r for g in self.groups for r in g.rows if not r.ended)]:
+        for row in [*self.slots.decoding, *(r for r in self._prefilling() if not r.ended)]:
             count[row.job] = count.get(row.job, 0) + 1
         return count
 
@@ -244,9 +255,9 @@ class ContinuousBatcher(Batcher):
 
     def _admit(self) -> None:
         """The rows in line that fit (the batch's rows, a contiguous run of staging slots) form a new group."""
-        if len(self.slots.decoding) + sum(len(g.rows) for g in self.groups) >= self.max_rows:
+        if self._room() <= 0:
             self._make_way()
-        room = self.max_rows - len(self.slots.decoding) - sum(len(g.rows) for g in self.groups)
+        room = self._room()
         first, run = self.slots.free_run()
         count = min(room, run, len(self.waiting))
         if count <= 0:
@@ -255,8 +266,7 @@ class ContinuousBatcher(Batcher):
         need = max(len(r.prompt) + r.left for r in rows) + self.slack
         if need > self.capacity:
             self.capacity = self.runner.open_slots(self.max_rows, max(need, 2 * self.capacity))
-        for slot in range(first, first + count):
-            self.slots.staging_free[slot - self.max_rows] = False
+        self.slots.mark_staging(first, count, free=False)
         self.groups.append(Group(rows, first, max(1, self.prefill_tokens // count)))
 
     def _merge_unstarted(self) -> None:
@@ -320,8 +330,7 @@ class ContinuousBatcher(Batcher):
         """Groups none of whose rows has prompt left free their staging slots."""
         for group in [g for g in self.groups if all(r.ended or r.prefilled >= len(r.prompt) for r in g.rows)]:
             self.groups.remove(group)
-            for slot in range(group.first, group.first + len(group.rows)):
-                self.slots.staging_free[slot - self.max_rows] = True
+            self.slots.mark_staging(group.first, len(group.rows), free=True)
 
     def _decode(self) -> None:
         """A few decode steps of every row that decodes; rows that ended leave their slots."""
