@@ -11,6 +11,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
 from npuport.runtime.completion import TOKEN_ID_PREFIX, stop_at, stop_token_end
+from npuport.runtime.serving.incremental_text import IncrementalText
 from npuport.runtime.token_logprobs import PositionLogprobs
 
 TokenText = Callable[[int], str]  # a token id -> its text as the API shows a token
@@ -152,6 +153,8 @@ class StreamedText:
         self.tokens: list[int] = []
         self.ended = False  # a stop token came: nothing after it counts
         self.sent = ""
+        self.shown = IncrementalText(decode)
+        self.after: int | None = None if min_tokens and self.stop else 0  # characters a stop string ends past
 
     def _send(self, safe: str) -> str:
         if not safe.startswith(self.sent):  # a tokenizer whose text of more tokens rewrites the end: wait
@@ -162,14 +165,16 @@ class StreamedText:
     def add(self, new: Sequence[int]) -> str:
         if self.ended:
             return ""
+        checked = len(self.tokens)  # none of these is a stop token that counts
         self.tokens += new
-        end = stop_token_end(self.tokens, self.stop_tokens, self.min_tokens)
+        end = stop_token_end(self.tokens, self.stop_tokens, max(self.min_tokens, checked))
         if end is not None:
             self.tokens, self.ended = self.tokens[:end], True
         shown = self.tokens[:-1] if self.ended and not self.include_stop else self.tokens
-        text = self.decode(shown)
-        after = len(self.decode(shown[:self.min_tokens])) if self.min_tokens and self.stop else 0
-        found = stop_at(text, self.stop, after)
+        text = self.shown.text(shown)
+        if self.after is None and len(shown) >= self.min_tokens:
+            self.after = len(self.decode(shown[:self.min_tokens]))
+        found = stop_at(text, self.stop, len(text) if self.after is None else self.after)
         if found is not None:
             i, s = found
             safe = text[:i + len(s)] if self.include_stop else text[:i]

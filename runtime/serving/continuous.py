@@ -41,6 +41,7 @@ from npuport.devices import graphs_supported
 from npuport.runtime.completion import CANCELLED, Completion, stop_at, stop_token_end
 from npuport.runtime.generate import SYNC_EVERY
 from npuport.runtime.serving.batching import ROUND_TOKENS, Batcher, Job, round_seed
+from npuport.runtime.serving.incremental_text import IncrementalText
 from npuport.runtime.slots import ChunkRow, RowSampling
 from npuport.runtime.text_completions import RuntimeCompletions, TextRequest, TextResult
 
@@ -73,6 +74,8 @@ class Row:
     since: int = 0  # tokens made since it last took a decode slot
     turns: int = 0  # times it gave its slot to a waiting request (a sampler's seed changes with each)
     ended: bool = False
+    text: IncrementalText | None = None  # of its tokens, for its stop strings
+    stop_after: int | None = None  # the length of the text of its first min_tokens tokens, once it has them
 
     @property
     def left(self) -> int:
@@ -174,7 +177,8 @@ class ContinuousBatcher(Batcher):
         for job in jobs:
             for i, request in enumerate(job.rows):
                 row = Row(job, i, request, [*request.prompt_ids, *request.generated], list(request.generated),
-                          self.runner.stop_set(request), next(self._arrived))
+                          self.runner.stop_set(request), next(self._arrived),
+                          text=IncrementalText(self.runner.decode))
                 if row.left > 0:
                     self.waiting.append(row)
                 else:
@@ -362,7 +366,7 @@ class ContinuousBatcher(Batcher):
         """Add `new` tokens to `row`, stream what its answer keeps, and end it if they end it."""
         request = row.request
         row.tokens += new
-        stop = stop_token_end(row.tokens, row.stop_tokens, request.min_tokens)
+        stop = stop_token_end(row.tokens, row.stop_tokens, max(request.min_tokens, len(row.tokens) - len(new)))
         keep = min(request.max_tokens, len(row.tokens) if stop is None else stop)
         if row.job.on_tokens is not None and keep > row.streamed:
             row.job.on_tokens(row.index, row.tokens[row.streamed:keep])
@@ -375,8 +379,9 @@ class ContinuousBatcher(Batcher):
         request = row.request
         if not request.stop or len(row.tokens) <= request.min_tokens:
             return False
-        after = len(self.runner.decode(row.tokens[:request.min_tokens])) if request.min_tokens else 0
-        return stop_at(self.runner.decode(row.tokens), request.stop, after) is not None
+        if row.stop_after is None:
+            row.stop_after = len(self.runner.decode(row.tokens[:request.min_tokens])) if request.min_tokens else 0
+        return stop_at(row.text.text(row.tokens), request.stop, row.stop_after) is not None
 
     def _end(self, row: Row, cancelled: bool = False) -> None:
         """Row's result is in; its job is answered once every row's is."""
