@@ -11,7 +11,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
 from npuport.runtime.completion import TOKEN_ID_PREFIX, stop_at, stop_token_end
-from npuport.runtime.serving.incremental_text import IncrementalText
+from npuport.runtime.incremental_text import IncrementalText
 from npuport.runtime.token_logprobs import PositionLogprobs
 
 TokenText = Callable[[int], str]  # a token id -> its text as the API shows a token

@@ -40,8 +40,8 @@ from dataclasses import dataclass, field
 from npuport.devices import graphs_supported
 from npuport.runtime.completion import CANCELLED, Completion, stop_at, stop_token_end
 from npuport.runtime.generate import SYNC_EVERY
+from npuport.runtime.incremental_text import IncrementalText
 from npuport.runtime.serving.batching import ROUND_TOKENS, Batcher, Job, round_seed
-from npuport.runtime.serving.incremental_text import IncrementalText
 from npuport.runtime.slots import ChunkRow, RowSampling
 from npuport.runtime.text_completions import RuntimeCompletions, TextRequest, TextResult
 

@@ -13,8 +13,8 @@ from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 from transformers import AutoTokenizer
 
 from npuport.fixtures.train_tiny import trained_tiny_path
+from npuport.runtime.incremental_text import CONTEXT, SETTLE_EVERY, IncrementalText
 from npuport.runtime.serving.api_answers import StreamedText
-from npuport.runtime.serving.incremental_text import CONTEXT, SETTLE_EVERY, IncrementalText
 
 TEXT = ("Natalia sold clips to 48 of her friends in April, and then she sold half as many clips in May. "
         "Größe, café, naïve - 東京で 3 個のりんご 🍎🍏 を買った。 Ünïcödé ÿ 42 + 17 = 59.\n\n")
