@@ -63,15 +63,17 @@ def _quantize(wt: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
     return (wt / scale).round_().clamp_(QMIN, QMAX).to(torch.int8).to(wt.dtype)  # through int8, as msModelSlim
 
 
-def _mse(wt: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
-    """float32 [n]: mean over K of (W - dequantized W)**2 with the integers of `scale`."""
-    deq = (_quantize(wt, scale) * scale).float()
-    return torch.mean(torch.pow(torch.abs(wt - deq), 2), dim=0)
-
-
-def _least_squares_scale(wt: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
-    """BF16 [n]: the scale minimising the squared error for the integers of `scale`, in BF16 arithmetic."""
+def _mse(wt: torch.Tensor, wt32: torch.Tensor, scale: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """(float32 [n]: mean over K of (W - dequantized W)**2 with the integers of `scale`, those integers BF16 [K, n]);
+    wt32 is wt in float32. The same float32 arithmetic as msModelSlim's pow(|W - deq|, 2) with W promoted, bit for
+    bit: the promotion is exact, and the square is the difference's product with itself."""
     q = _quantize(wt, scale)
+    diff = wt32 - (q * scale).float()
+    return torch.mean(diff * diff, dim=0), q
+
+
+def _least_squares_scale(wt: torch.Tensor, q: torch.Tensor) -> torch.Tensor:
+    """BF16 [n]: the scale minimising the squared error for the integers q [K, n], in BF16 arithmetic."""
     return torch.sum(wt * q, dim=0) / torch.sum(q * q, dim=0).clamp(min=DIVISOR_FLOOR)
 
 
@@ -93,22 +95,27 @@ def ssz_scale(weight: torch.Tensor, *, iterations: int = ITERATIONS, block_rows:
     blocks = _blocks(n, k, block_rows)
 
     scale = torch.empty(n, dtype=torch.bfloat16)
-    best_mse = torch.empty(n, dtype=torch.float32)
     for b in blocks:
         wt = w[b].T
         lo = torch.amin(wt, dim=0).clamp(max=0)
         hi = torch.amax(wt, dim=0).clamp(min=0)
         scale[b] = torch.maximum(torch.maximum(-lo, hi) / float(QMAX), torch.tensor(SCALE_FLOOR, dtype=w.dtype))
-        best_mse[b] = _mse(wt, scale[b])
     best_scale = scale.clone()
+    if iterations == 0:
+        return best_scale
+    best_mse = torch.empty(n, dtype=torch.float32)
+    ints = [None] * len(blocks)  # each block's integers [K, rows] of `scale`: the next round's least squares take them
+    floats = [w[b].T.float() for b in blocks]  # each block's weights in float32, [K, rows]
+    for i, b in enumerate(blocks):
+        best_mse[b], ints[i] = _mse(w[b].T, floats[i], scale[b])
 
     for _ in range(iterations):
         candidate = torch.empty_like(scale)
         cand_mse = torch.empty_like(best_mse)
-        for b in blocks:
+        for i, b in enumerate(blocks):
             wt = w[b].T
-            candidate[b] = _least_squares_scale(wt, scale[b])
-            cand_mse[b] = _mse(wt, candidate[b])
+            candidate[b] = _least_squares_scale(wt, ints[i])
+            cand_mse[b], ints[i] = _mse(wt, floats[i], candidate[b])
         gain = best_mse - cand_mse
         settled = (gain / best_mse.clamp(min=RELATIVE_FLOOR) < CONVERGED) | (gain.abs() < CONVERGED)
         if bool(settled.all()):
