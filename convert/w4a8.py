@@ -40,7 +40,7 @@ CONVERGED = 1e-10  # relative and absolute error change below which a channel co
 RELATIVE_FLOOR = 1e-4  # floor of the best error in the relative change
 ITERATIONS = 50  # msModelSlim's default number of refinement rounds
 TP_GROUPS = 16  # K groups of the row parallel projections' scale_bias
-BLOCK_ELEMENTS = 1 << 22  # rows per block: about this many weight elements
+BLOCK_ELEMENTS = 1 << 18  # rows per block: about this many weight elements (a block's working set stays in cache)
 
 COLUMN_PARALLEL = ("up_proj", "gate_proj", "q_proj", "k_proj", "v_proj", "w1", "w3")
 ROW_PARALLEL = ("down_proj", "o_proj", "w2")
@@ -86,7 +86,7 @@ def ssz_scale(weight: torch.Tensor, *, iterations: int = ITERATIONS, block_rows:
     """weight BF16 [N, K] -> the int4 scale msModelSlim's `ssz` method picks per output channel, BF16 [N].
 
     `iterations`: the number of refinement rounds (50 unless the recipe's weight qconfig sets `ext.step`).
-    `block_rows`: rows per block (default: about 4M weight elements a block); the result does not depend on it.
+    `block_rows`: rows per block (default: about 256k weight elements a block); the result does not depend on it.
     """
     if weight.dtype != torch.bfloat16 or weight.dim() != 2:
         raise TypeError(f"expected a 2-D BF16 weight, got {weight.dtype} {tuple(weight.shape)}")

@@ -216,3 +216,32 @@ def test_a_cancelled_request_stops_its_prefill(runner64, long_request, monkeypat
     assert {a.result.completion.finish_reason for a in answers} == {"cancelled"}
     assert after_cancel < LONG_TOKENS // 16  # 256 chunks of 16 tokens for the whole prompt: far from all ran
     assert short[0].result.completion.completion_tokens == 2
+
+
+def test_prefill_chunks_run_at_the_width_their_prompts_need_in_multiples_of_16(runner64, monkeypatch):
+    """A lone 100-token prompt under a 1,024-position budget prefills at width 112, not 1,024; three 700-token
+    prompts admitted together take 1,024 / 3 = 341 -> 336 positions a row a chunk, their last chunk the 28 left
+    (-> 32); every answer is generate()'s alone."""
+    widths: list[tuple[int, int]] = []  # (width, longest part) of each chunk
+    prefill = runner64.prefill_slots
+
+    def recorded(first, chunk, width, samplers=None):
+        widths.append((width, max(len(part.tokens) for part in chunk)))
+        return prefill(first, chunk, width, samplers)
+
+    monkeypatch.setattr(runner64, "prefill_slots", recorded)
+    batcher = ContinuousBatcher(runner64, 4, prefill_tokens=1024)
+    g = torch.Generator().manual_seed(2)
+    lone = torch.randint(10, 2000, (100,), generator=g).tolist()
+    three = torch.randint(10, 2000, (3, 700), generator=g).tolist()
+    try:
+        lone_answer = batcher.submit(Job([TextRequest(lone, 3)], SamplingParams())).result(timeout=120)
+        lone_widths = list(widths)
+        three_answer = batcher.submit(Job([TextRequest(p, 3) for p in three], SamplingParams())).result(timeout=120)
+    finally:
+        batcher.close(30)
+    assert lone_widths == [(112, 100)]
+    assert widths[len(lone_widths):] == [(336, 336), (336, 336), (32, 28)]
+    for prompt, answer in zip([lone, *three], [*lone_answer, *three_answer], strict=True):
+        assert answer.result.token_ids == generate(runner64.model, [prompt], 3, runner64.options,
+                                                   stop_tokens=runner64.stop_tokens).tokens[0]
