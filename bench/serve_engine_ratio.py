@@ -13,7 +13,8 @@ accelerator. For each MTP setting, one runtime:
   --clients client threads here, each sending --requests-per-client requests one after another (its own prompt,
   ignore_eos, the same new tokens), after one warm-up burst of every client once: output tokens over the wall time
   of the timed bursts. (Clients in the server's own process would share its interpreter lock with the worker that
-  drives the model: on a CPU that cost a third of the throughput.)
+  drives the model: on a CPU that cost a third of the throughput.) Also from serve's /metrics: the device graphs
+  captured during the warm-up burst and during the timed ones, and the seconds the latter took.
 Prints and writes (DIR/serve_engine_ratio.json) every figure and the ratios serve / engine.
 """
 
@@ -30,7 +31,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from bench.engines.engine_servers import free_port, post_json, serving  # noqa: E402
+from bench.engines.engine_servers import free_port, get_text, post_json, serving  # noqa: E402
 
 
 def artifact(args) -> Path:
@@ -62,10 +63,24 @@ def serve_throughput(command: list[str], port: int, log: Path, prompts: list[lis
 
         with ThreadPoolExecutor(len(prompts)) as pool:
             list(pool.map(lambda p: client(p, 1), prompts))  # warm-up: graphs of the batch sizes met
+            warm = capture_counters(url)
             start = time.perf_counter()
             tokens = sum(pool.map(lambda p: client(p, per_client), prompts))
             seconds = time.perf_counter() - start
-    return {"output_tokens": tokens, "seconds": seconds, "output_tokens_per_s": tokens / seconds}
+            timed = capture_counters(url)
+    return {"output_tokens": tokens, "seconds": seconds, "output_tokens_per_s": tokens / seconds,
+            "graph_captures_warm_up": warm[0], "graph_captures_timed": timed[0] - warm[0],
+            "graph_capture_seconds_timed": timed[1] - warm[1]}
+
+
+def capture_counters(url: str) -> tuple[float, float]:
+    """serve's /metrics: (graphs captured, seconds their captures took) so far."""
+    values = {}
+    for line in get_text(url + "/metrics", timeout_s=30.0).splitlines():
+        for name in ("graph_captures_total", "graph_capture_seconds_total"):
+            if line.startswith(f"npuport:{name}{{"):
+                values[name] = float(line.rsplit(" ", 1)[1])
+    return values["graph_captures_total"], values["graph_capture_seconds_total"]
 
 
 def main() -> None:

@@ -10,7 +10,9 @@ import contextlib
 import copy
 import functools
 import threading
+import time
 from collections.abc import Callable, Iterator, Sequence
+from dataclasses import dataclass, field
 
 import torch
 
@@ -45,17 +47,37 @@ def scratch_copy(state: ModelState) -> ModelState:
     return ModelState(state.positions.clone(), layers, state.capacity)
 
 
+@dataclass
+class CaptureCount:
+    """The graphs this process has captured and the host seconds their captures took (warm-up run included): a
+    capture made while clients wait is time they lose, so `serve` shows both in /metrics."""
+
+    graphs: int = 0
+    seconds: float = 0.0
+    lock: threading.Lock = field(default_factory=threading.Lock, repr=False)
+
+    def add(self, seconds: float) -> None:
+        with self.lock:
+            self.graphs += 1
+            self.seconds += seconds
+
+
+CAPTURES = CaptureCount()
+
+
 class CapturedStep:
     """fn(*states, *inputs) captured once as a device graph over `states` and static copies of `inputs`
     (CUDA graphs: the launches of a whole step replayed at once). A call copies the new inputs in, replays and
     returns fresh outputs; fn must leave nothing on the host that a replay would not redo."""
 
     def __init__(self, fn: Callable, states: Sequence[ModelState], inputs: Sequence[torch.Tensor], pool=None) -> None:
+        start = time.perf_counter()
         self.inputs = [x.clone() for x in inputs]
         self.graph = DeviceGraph(states[0].positions.device, pool)  # outputs are cloned out: pools can be shared
         # compiles kernels, makes workspaces
         self.graph.warm_up(lambda: fn(*(scratch_copy(state) for state in states), *self.inputs))
         self.outputs = self.graph.capture(lambda: fn(*states, *self.inputs))
+        CAPTURES.add(time.perf_counter() - start)
 
     def __call__(self, *inputs: torch.Tensor):
         for buf, x in zip(self.inputs, inputs, strict=True):

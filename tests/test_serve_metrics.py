@@ -15,6 +15,7 @@ from concurrent.futures import ThreadPoolExecutor
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
+from npuport.runtime.graphs import CAPTURES
 from npuport.runtime.serving.metrics import CONTENT_TYPE
 from npuport.runtime.serving.serve import make_server
 from npuport.runtime.text_completions import RuntimeCompletions
@@ -136,3 +137,15 @@ def test_the_startup_line_says_where_the_metrics_are(tiny_artifacts):
     finally:
         process.terminate()
         process.wait(START_TIMEOUT_S)
+
+
+def test_graph_captures_and_their_seconds_are_counted(runner):
+    """The counters read the one CaptureCount every CapturedStep adds to (no graphs on a CPU: added here)."""
+    with running(make_server(runner, "tiny")) as url:
+        before = scrape(url)
+        CAPTURES.add(1.25)
+        CAPTURES.add(0.5)
+        after = scrape(url)
+    assert after["npuport:graph_captures_total"] - before["npuport:graph_captures_total"] == 2
+    assert after["npuport:graph_capture_seconds_total"] - before["npuport:graph_capture_seconds_total"] == \
+        pytest.approx(1.75)

@@ -8,7 +8,10 @@ served model's name:
   the requests answered in full, as their `usage` counts them;
 - `npuport:request_success_total` (counter): requests answered in full;
 - `npuport:e2e_request_latency_seconds`, `npuport:time_to_first_token_seconds` (histograms): from the request
-  having arrived whole to its answer's end, and to its first token.
+  having arrived whole to its answer's end, and to its first token;
+- `npuport:graph_captures_total`, `npuport:graph_capture_seconds_total` (counters): the device graphs captured
+  since the server started (a decode batch size or MTP round met for the first time) and the seconds their
+  captures took, the model's steps waiting meanwhile.
 
 Written by hand rather than with the prometheus_client library: the format is a few lines of text, and the server
 adds no dependency to every install for it (the tests read it with that library's parser)."""
@@ -19,6 +22,8 @@ import math
 import threading
 import time
 from collections.abc import Sequence
+
+from npuport.runtime.graphs import CAPTURES
 
 CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
 PREFIX = "npuport:"
@@ -129,6 +134,13 @@ class ServeMetrics:
                  "end.", self.latency.lines(f"{PREFIX}e2e_request_latency_seconds", labels)),
                 ("time_to_first_token_seconds", "histogram", "Seconds from a request arriving whole to its first "
                  "token.", self.ttft.lines(f"{PREFIX}time_to_first_token_seconds", labels)),
+            ]
+        with CAPTURES.lock:
+            families += [
+                ("graph_captures_total", "counter", "Device graphs captured (the model's steps wait meanwhile).",
+                 [f"{PREFIX}graph_captures_total{{{labels}}} {CAPTURES.graphs}"]),
+                ("graph_capture_seconds_total", "counter", "Seconds the device graphs' captures took.",
+                 [f"{PREFIX}graph_capture_seconds_total{{{labels}}} {number(CAPTURES.seconds)}"]),
             ]
         lines = []
         for name, kind, help_text, samples in families:
