@@ -133,6 +133,7 @@ class Steps:
         self.model, self.state, self.mtp_state, self.graphs = model, state, mtp_state, graphs
         self.captured: dict[tuple, CapturedStep] = {}
         self.prefill_pool = None  # one memory pool for the prefill graphs of every width: one runs at a time
+        self.replaying = True  # False inside capture_only()
 
     def run(self, key: tuple, fn: Callable, states: tuple[ModelState, ...], inputs: Sequence[torch.Tensor],
             pool=None):
@@ -141,7 +142,19 @@ class Steps:
             return fn(*states, *inputs)
         if key not in self.captured:
             self.captured[key] = CapturedStep(fn, states, inputs, pool)
-        return self.captured[key](*inputs)
+        step = self.captured[key]
+        return step(*inputs) if self.replaying else step.outputs
+
+    @contextlib.contextmanager
+    def capture_only(self) -> Iterator[None]:
+        """Inside the block a step met for the first time is captured and none is replayed: the states are not
+        touched (a capture runs its warm-up on copies) and the outputs returned are the graph's own buffers,
+        meaningless until a replay. With graphs only."""
+        self.replaying = False
+        try:
+            yield
+        finally:
+            self.replaying = True
 
     def round_parts(self, k: int) -> DirectRound | CapturedRound:
         """The Round protocol on these states: each part captured with graphs, else direct."""

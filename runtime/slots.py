@@ -288,10 +288,7 @@ def decode_slots(model: Qwen35, n: int, rounds: int) -> list[DecodeRound]:
     pool = pool_of(model)
     bucket, k = pool.bucket(n), pool.options.mtp
     steps = pool.steps_for(bucket)
-    device = model.device
-    active = torch.arange(bucket, device=device) < n
-    progress = (active, torch.zeros(bucket, dtype=torch.long, device=device), torch.tensor([NO_STOP], device=device),
-                torch.full((bucket,), NO_LIMIT, dtype=torch.long, device=device))
+    progress = _progress(bucket, n, model.device)
     sampled = any(s is not None and not s.params.greedy for s in pool.samplers[:n])
     records = []
     with dispatch(bf16=pool.options.dispatch.bf16), batch_invariant(pool.options.planned_rows(bucket)):
@@ -316,6 +313,37 @@ def decode_slots(model: Qwen35, n: int, rounds: int) -> list[DecodeRound]:
         else:
             out.append(DecodeRound([row[:row[-1] + 1] for row in record], [row[-1] for row in record]))
     return out
+
+
+def _progress(bucket: int, n: int, device: torch.device) -> tuple[torch.Tensor, ...]:
+    """decode_round's progress for slots [0, bucket) of which the first n run: (active, produced, stop tokens,
+    max new tokens); the host ends the requests, so no stop token and no limit."""
+    return (torch.arange(bucket, device=device) < n, torch.zeros(bucket, dtype=torch.long, device=device),
+            torch.tensor([NO_STOP], device=device), torch.full((bucket,), NO_LIMIT, dtype=torch.long, device=device))
+
+
+@mirrored
+@torch.no_grad()
+def capture_decode_steps(model: Qwen35) -> int:
+    """With graphs, capture the greedy decode step (MTP round with MTP) of every bucket the pool can run, so that
+    no client waits for a capture later (a sampled step's parts are captured when first met). Runs no step: the
+    slots, their tokens and states are untouched. Returns the number of buckets whose steps it captured."""
+    pool = pool_of(model)
+    if not pool.options.graphs:
+        return 0
+    k, device = pool.options.mtp, model.device
+    buckets = sorted({pool.bucket(n) for n in range(1, pool.rows + 1)})
+    with dispatch(bf16=pool.options.dispatch.bf16):
+        for bucket in buckets:
+            steps = pool.steps_for(bucket)
+            tok, progress = pool.tokens[:bucket], _progress(bucket, bucket, device)
+            with batch_invariant(pool.options.planned_rows(bucket)), steps.capture_only():
+                if k == 0:
+                    steps.decode(tok, progress, None)
+                else:
+                    hidden = torch.zeros(bucket, model.config.hidden_size, dtype=model.dtype, device=device)
+                    steps.mtp_round(k, tok, model.logits(hidden), hidden, progress, None)  # the shapes prefill gives
+    return len(buckets)
 
 
 @mirrored

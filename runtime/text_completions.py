@@ -235,6 +235,10 @@ class RuntimeCompletions:
         """One prefill chunk of slots first.. (slots.prefill_slots); each row's first token where its prompt ended."""
         return slots.prefill_slots(self.model, first, chunk, width, samplers)
 
+    def capture_decode_steps(self) -> int:
+        """With graphs, the decode step of every bucket of the pool captured now (slots.capture_decode_steps)."""
+        return slots.capture_decode_steps(self.model)
+
     def decode_slots(self, n: int, rounds: int) -> list[slots.DecodeRound]:
         """`rounds` decode steps (MTP rounds) of slots [0, n) (slots.decode_slots)."""
         return slots.decode_slots(self.model, n, rounds)

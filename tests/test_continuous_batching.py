@@ -245,3 +245,21 @@ def test_prefill_chunks_run_at_the_width_their_prompts_need_in_multiples_of_16(r
     for prompt, answer in zip([lone, *three], [*lone_answer, *three_answer], strict=True):
         assert answer.result.token_ids == generate(runner64.model, [prompt], 3, runner64.options,
                                                    stop_tokens=runner64.stop_tokens).tokens[0]
+
+
+def test_the_batcher_captures_the_decode_steps_whenever_it_makes_or_grows_its_pool(runner64, monkeypatch):
+    """The pool is made at the first admission and doubled when a longer request comes: each time the decode
+    graphs are captured at once (slots.capture_decode_steps; on a GPU, tests/test_kernels_on_gpu.py), not while
+    clients wait for a step of a batch size met later."""
+    calls: list[int] = []
+    monkeypatch.setattr(runner64, "capture_decode_steps", lambda: calls.append(1) or 0)
+    batcher = ContinuousBatcher(runner64, 4, prefill_tokens=64)
+    try:
+        batcher.submit(Job([TextRequest([5, 6, 7], 2)], SamplingParams())).result(timeout=60)
+        batcher.submit(Job([TextRequest([5, 6, 7], 2)], SamplingParams())).result(timeout=60)
+        assert len(calls) == 1
+        longer = torch.randint(10, 2000, (batcher.capacity + 10,), generator=torch.Generator().manual_seed(0))
+        batcher.submit(Job([TextRequest(longer.tolist(), 2)], SamplingParams())).result(timeout=120)
+    finally:
+        batcher.close(30)
+    assert len(calls) == 2

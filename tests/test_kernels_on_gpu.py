@@ -578,3 +578,27 @@ def test_continuous_batching_with_graphs_keeps_greedy_mtp_output_and_graph_free_
     assert joining_schedule(model, run_options(model, 0, graphs=False, invariant=True), rows, 40) == plain
     for k in (1, 2, 3):
         assert joining_schedule(model, run_options(model, k, invariant=True), rows, 40) == plain, f"mtp={k}"
+
+
+@pytest.mark.parametrize("k", [0, 1])
+def test_decode_steps_captured_up_front_run_no_step_and_leave_nothing_to_capture(k, wider_models):
+    """slots.capture_decode_steps (serve calls it whenever its pool is made or grown): one graph per bucket (1, 2,
+    4 for 4 slots), none run - the rows that then join and decode make the tokens they make without it - and no
+    capture while they decode."""
+    from npuport.runtime.graphs import CAPTURES
+    from npuport.runtime.run_options import run_options
+    from npuport.runtime.slots import capture_decode_steps, close_slots, open_slots
+    from tests.test_continuous_batching import joining_schedule, prompts
+
+    model = load_model(wider_models["w8a8 moe"], CUDA, torch.bfloat16)
+    options, rows = run_options(model, k, invariant=True), prompts(4, seed=5)
+    close_slots(model)
+    expected = joining_schedule(model, options, rows, 40)
+    close_slots(model)
+    open_slots(model, options, 4, 256)
+    before = CAPTURES.graphs
+    assert capture_decode_steps(model) == 3
+    captured = CAPTURES.graphs
+    assert captured - before == 3
+    assert joining_schedule(model, options, rows, 40) == expected
+    assert CAPTURES.graphs == captured

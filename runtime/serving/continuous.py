@@ -287,8 +287,9 @@ class ContinuousBatcher(Batcher):
             return
         rows = self._next_in_line(count)
         need = max(len(r.prompt) + r.left for r in rows) + self.slack
-        if need > self.capacity:
+        if need > self.capacity:  # a new pool (or a grown one, its graphs dropped): every decode graph now
             self.capacity = self.runner.open_slots(self.max_rows, max(need, 2 * self.capacity))
+            self.runner.capture_decode_steps()
         self.slots.mark_staging(first, count, free=False)
         self.groups.append(Group(rows, first, group_width(self.prefill_tokens, count)))
 
