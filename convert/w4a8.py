@@ -1,5 +1,5 @@
 """The W4A8_DYNAMIC weight math of msModelSlim 26.1.0 (its `ssz` int4 weight method and its ascendV1 saver), bit
-for bit, for one routed-expert projection. Standalone: nothing in the converter calls it yet.
+for bit, for one routed-expert projection (convert/plan.py calls it for each such projection a recipe asks W4A8 of).
 
 What msModelSlim computes, for a BF16 weight W [N, K] (N output channels, K inputs), per output channel n:
 
