@@ -1,10 +1,12 @@
-"""The text of a row's tokens as they grow, decoded a few tokens at a time: decoding the whole row again at every
-step costs time in its length, so a 1,000-token answer would cost the host half a million token decodes, and with
-32 rows streaming that rivals what the accelerator takes to make them."""
+"""The text of a row's tokens as they grow, decoded a few tokens at a time, and the stop strings in it: decoding the
+whole row again at every step costs time in its length, so a 1,000-token answer would cost the host half a million
+token decodes, and with 32 rows streaming that rivals what the accelerator takes to make them."""
 
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
+
+from npuport.runtime.completion import stop_at
 
 Decode = Callable[[Sequence[int]], str]  # token ids -> their text, as the tokenizer decodes a whole answer
 
@@ -46,3 +48,21 @@ class IncrementalText:
         self.settled_text += part[len(self.context_text):]
         self.settled = end
         self.context_text = self.decode(tokens[max(0, end - CONTEXT):end])
+
+
+class StopStrings:
+    """A growing row's text and the earliest of its stop strings that counts in it, by finish_completion's rule: a
+    stop string counts once it ends past the text of the row's first min_tokens tokens. One per row, fed the row's
+    tokens as they grow (IncrementalText's contract)."""
+
+    def __init__(self, decode: Decode, stop: Sequence[str], min_tokens: int = 0) -> None:
+        self.decode, self.stop, self.min_tokens = decode, list(stop), min_tokens
+        self.text = IncrementalText(decode)
+        self.after: int | None = None if min_tokens else 0  # characters a stop string must end past, once known
+
+    def search(self, tokens: Sequence[int]) -> tuple[str, tuple[int, str] | None]:
+        """(decode(tokens), where the earliest stop string that counts begins and which it is, or None)."""
+        text = self.text.text(tokens)
+        if self.after is None and len(tokens) >= self.min_tokens:
+            self.after = len(self.decode(tokens[:self.min_tokens]))
+        return text, stop_at(text, self.stop, len(text) if self.after is None else self.after)

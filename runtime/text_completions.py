@@ -16,7 +16,7 @@ from npuport.errors import NpuportError
 from npuport.runtime import slots
 from npuport.runtime.completion import LENGTH, STOP, Completion, CompletionBatch, stop_at, stop_token_end
 from npuport.runtime.generate import AcceptanceStats, TokenSink, generate
-from npuport.runtime.incremental_text import IncrementalText
+from npuport.runtime.incremental_text import StopStrings
 from npuport.runtime.loader import load_model
 from npuport.runtime.model import Qwen35
 from npuport.runtime.run_options import run_options
@@ -193,17 +193,15 @@ class RuntimeCompletions:
             if requests else frozenset()
         special = {row for row in range(len(requests)) if early[row] or own[row] != shared}
 
-        texts = [IncrementalText(self.decode) for _ in requests]
+        searches = [StopStrings(self.decode, r.stop, r.min_tokens) for r in requests]
 
         def should_stop(row: int, tokens: list[int]) -> bool:
             request = requests[row]
             every = [*request.generated, *tokens]
             if row in special and stop_token_end(every, own[row], request.min_tokens) is not None:
                 return True
-            if request.stop and len(every) > request.min_tokens:
-                after = len(self.decode(every[:request.min_tokens])) if request.min_tokens else 0
-                if stop_at(texts[row].text(every), request.stop, after) is not None:
-                    return True
+            if request.stop and searches[row].search(every)[1] is not None:
+                return True
             if interrupted is not None and interrupted(row, len(tokens)):
                 stopped.add(row)
                 return True

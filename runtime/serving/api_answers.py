@@ -10,8 +10,8 @@ import uuid
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
-from npuport.runtime.completion import TOKEN_ID_PREFIX, stop_at, stop_token_end
-from npuport.runtime.incremental_text import IncrementalText
+from npuport.runtime.completion import TOKEN_ID_PREFIX, stop_token_end
+from npuport.runtime.incremental_text import StopStrings
 from npuport.runtime.token_logprobs import PositionLogprobs
 
 TokenText = Callable[[int], str]  # a token id -> its text as the API shows a token
@@ -147,14 +147,13 @@ class StreamedText:
 
     def __init__(self, decode: Callable[[list[int]], str], stop: Sequence[str],
                  stop_tokens: frozenset[int] = frozenset(), min_tokens: int = 0, include_stop: bool = False) -> None:
-        self.decode, self.stop = decode, list(stop)
+        self.stop = list(stop)
         self.stop_tokens, self.min_tokens, self.include_stop = stop_tokens, min_tokens, include_stop
         self.hold = max((len(s) for s in self.stop), default=1) - 1
         self.tokens: list[int] = []
         self.ended = False  # a stop token came: nothing after it counts
         self.sent = ""
-        self.shown = IncrementalText(decode)
-        self.after: int | None = None if min_tokens and self.stop else 0  # characters a stop string ends past
+        self.shown = StopStrings(decode, self.stop, min_tokens)  # the text shown so far and its stop strings
 
     def _send(self, safe: str) -> str:
         if not safe.startswith(self.sent):  # a tokenizer whose text of more tokens rewrites the end: wait
@@ -171,10 +170,7 @@ class StreamedText:
         if end is not None:
             self.tokens, self.ended = self.tokens[:end], True
         shown = self.tokens[:-1] if self.ended and not self.include_stop else self.tokens
-        text = self.shown.text(shown)
-        if self.after is None and len(shown) >= self.min_tokens:
-            self.after = len(self.decode(shown[:self.min_tokens]))
-        found = stop_at(text, self.stop, len(text) if self.after is None else self.after)
+        text, found = self.shown.search(shown)
         if found is not None:
             i, s = found
             safe = text[:i + len(s)] if self.include_stop else text[:i]

@@ -38,9 +38,9 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 from npuport.devices import graphs_supported
-from npuport.runtime.completion import CANCELLED, Completion, stop_at, stop_token_end
+from npuport.runtime.completion import CANCELLED, Completion, stop_token_end
 from npuport.runtime.generate import SYNC_EVERY
-from npuport.runtime.incremental_text import IncrementalText
+from npuport.runtime.incremental_text import StopStrings
 from npuport.runtime.serving.batching import ROUND_TOKENS, Batcher, Job, round_seed
 from npuport.runtime.slots import ChunkRow, RowSampling
 from npuport.runtime.text_completions import RuntimeCompletions, TextRequest, TextResult
@@ -93,8 +93,7 @@ class Row:
     since: int = 0  # tokens made since it last took a decode slot
     turns: int = 0  # times it gave its slot to a waiting request (a sampler's seed changes with each)
     ended: bool = False
-    text: IncrementalText | None = None  # of its tokens, for its stop strings
-    stop_after: int | None = None  # the length of the text of its first min_tokens tokens, once it has them
+    stops: StopStrings | None = None  # its tokens' text and the stop strings in it
 
     @property
     def left(self) -> int:
@@ -197,7 +196,7 @@ class ContinuousBatcher(Batcher):
             for i, request in enumerate(job.rows):
                 row = Row(job, i, request, [*request.prompt_ids, *request.generated], list(request.generated),
                           self.runner.stop_set(request), next(self._arrived),
-                          text=IncrementalText(self.runner.decode))
+                          stops=StopStrings(self.runner.decode, request.stop, request.min_tokens))
                 if row.left > 0:
                     self.waiting.append(row)
                 else:
@@ -397,12 +396,7 @@ class ContinuousBatcher(Batcher):
             self._end(row)
 
     def _holds_stop_string(self, row: Row) -> bool:
-        request = row.request
-        if not request.stop or len(row.tokens) <= request.min_tokens:
-            return False
-        if row.stop_after is None:
-            row.stop_after = len(self.runner.decode(row.tokens[:request.min_tokens])) if request.min_tokens else 0
-        return stop_at(row.text.text(row.tokens), request.stop, row.stop_after) is not None
+        return bool(row.request.stop) and row.stops.search(row.tokens)[1] is not None
 
     def _end(self, row: Row, cancelled: bool = False) -> None:
         """Row's result is in; its job is answered once every row's is."""
