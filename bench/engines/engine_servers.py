@@ -5,6 +5,7 @@ Also reads vLLM's speculative-decoding counters from its Prometheus /metrics pag
 
 from __future__ import annotations
 
+import argparse
 import json
 import os
 import signal
@@ -32,6 +33,17 @@ STOP_TIMEOUT_S = 30.0
 
 class EngineError(NpuportError):
     """An engine server did not start or answer as expected."""
+
+
+def add_vllm_options(parser: argparse.ArgumentParser, venv_help: str = "the vLLM CPU venv") -> None:
+    """The options every benchmark against vLLM's CPU build takes: --enforce-eager and --venv."""
+    parser.add_argument("--enforce-eager", action="store_true", help="vLLM without torch.compile")
+    parser.add_argument("--venv", type=Path, default=VLLM_VENV, help=venv_help)
+
+
+def exit_on_sigterm() -> None:
+    """SIGTERM ends the run through its `with` blocks, so that the servers (in sessions of their own) stop too."""
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit("stopped by SIGTERM"))
 
 
 def vllm_python(venv: Path = VLLM_VENV) -> Path:

@@ -26,7 +26,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import signal
 import subprocess
 import sys
 import time
@@ -38,9 +37,10 @@ from typing import Any
 
 from bench.engines.engine_servers import (
     REPOSITORY,
-    VLLM_VENV,
     EngineError,
     VLLMServe,
+    add_vllm_options,
+    exit_on_sigterm,
     npuport_serving,
     vllm_python,
     vllm_serving,
@@ -307,11 +307,9 @@ def main() -> None:
                         help="the client's backend: openai (/v1/completions) or openai-chat (/v1/chat/completions)")
     parser.add_argument("--out", type=Path, default=None,
                         help="default: .bench/serving-benchmark-<model folder name> in the repository (git-ignored)")
-    parser.add_argument("--enforce-eager", action="store_true", help="vLLM without torch.compile")
-    parser.add_argument("--venv", type=Path, default=VLLM_VENV, help="the vLLM CPU venv (server and client)")
+    add_vllm_options(parser, "the vLLM CPU venv (server and client)")
     args = parser.parse_args()
-    # SIGTERM ends the run through the `with` blocks, so that the servers (in sessions of their own) stop too
-    signal.signal(signal.SIGTERM, lambda *_: sys.exit("stopped by SIGTERM"))
+    exit_on_sigterm()
     model = (args.model or trained_tiny_path()).resolve()
     out = (args.out or REPOSITORY / ".bench" / f"serving-benchmark-{model.name}").resolve()
     workloads = [Workload(args.input_len, args.output_len, args.num_prompts, c, args.backend)

@@ -26,7 +26,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import signal
 import subprocess
 import sys
 import time
@@ -37,10 +36,11 @@ from typing import Any
 
 from bench.engines.engine_servers import (
     REPOSITORY,
-    VLLM_VENV,
     EngineError,
     SpecDecodeCounters,
     VLLMServe,
+    add_vllm_options,
+    exit_on_sigterm,
     npuport_serving,
     post_json,
     spec_decode_counters,
@@ -262,11 +262,9 @@ def main() -> None:
     parser.add_argument("--mtp", type=int, default=1, help="draft tokens per round in both engines")
     parser.add_argument("--out", type=Path, default=None,
                         help="default: .bench/vllm-vs-npuport-<model folder name> in the repository (git-ignored)")
-    parser.add_argument("--enforce-eager", action="store_true", help="vLLM without torch.compile")
-    parser.add_argument("--venv", type=Path, default=VLLM_VENV, help="the vLLM CPU venv")
+    add_vllm_options(parser)
     args = parser.parse_args()
-    # SIGTERM ends the run through the `with` blocks, so that the servers (in sessions of their own) stop too
-    signal.signal(signal.SIGTERM, lambda *_: sys.exit("stopped by SIGTERM"))
+    exit_on_sigterm()
     model = (args.model or trained_tiny_path()).resolve()
     out = args.out or REPOSITORY / ".bench" / f"vllm-vs-npuport-{model.name}"
     try:
