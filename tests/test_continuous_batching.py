@@ -16,7 +16,7 @@ import pytest
 import torch
 
 from npuport.fixtures.train_tiny import trained_tiny_path
-from npuport.runtime.generate import generate
+from npuport.runtime.generate import SYNC_EVERY, generate
 from npuport.runtime.loader import load_model
 from npuport.runtime.run_options import run_options
 from npuport.runtime.sampling import SamplingParams
@@ -263,3 +263,31 @@ def test_the_batcher_captures_the_decode_steps_whenever_it_makes_or_grows_its_po
     finally:
         batcher.close(30)
     assert len(calls) == 2
+
+
+def test_rows_decode_one_round_an_iteration_while_a_group_prefills_and_up_to_sync_every_else(runner64, monkeypatch):
+    """While a prompt is prefilled in chunks, the rows already decoding run one step an iteration (on a device a
+    step of a few rows costs about what one of the whole batch does: the newcomer should join within steps, not
+    after eight per chunk); once no group prefills they run SYNC_EVERY between two looks of the host. Both rows
+    still get generate()'s tokens."""
+    calls: list[tuple[int, bool]] = []
+    batcher = ContinuousBatcher(runner64, 4, prefill_tokens=16)
+    decode = runner64.decode_slots
+    monkeypatch.setattr(runner64, "decode_slots",
+                        lambda n, rounds: calls.append((rounds, bool(batcher.groups))) or decode(n, rounds))
+    short, long = prompts(1, 5, 5, 6)[0], prompts(1, 6, 120, 121)[0]
+    decoding = threading.Event()
+    try:
+        first = batcher.submit(Job([TextRequest(short, 60)], SamplingParams(),
+                                   on_tokens=lambda row, new: decoding.set()))
+        assert decoding.wait(60)
+        second = batcher.submit(Job([TextRequest(long, 20)], SamplingParams()))
+        answers = [first.result(timeout=120)[0], second.result(timeout=120)[0]]
+    finally:
+        batcher.close(30)
+    while_prefilling = [rounds for rounds, prefilling in calls if prefilling]
+    assert len(while_prefilling) >= 5 and set(while_prefilling) == {1}  # 120 tokens in chunks of 16
+    assert max(rounds for rounds, prefilling in calls if not prefilling) == SYNC_EVERY
+    for prompt, answer, new in zip([short, long], answers, [60, 20], strict=True):
+        assert answer.result.token_ids == generate(runner64.model, [prompt], new, runner64.options,
+                                                   stop_tokens=runner64.stop_tokens).tokens[0]

@@ -14,9 +14,9 @@
    (a short prompt is not held behind a long one), each group at most one chunk; a group that got no chunk goes
    first next time, so that short prompts arriving without end cannot starve a long one. A row whose prompt is in
    takes its first token and moves to a decode slot;
-4. decode: a few decode steps (MTP rounds with MTP) of every row that decodes - at most SYNC_EVERY, fewer when a
-   row needs fewer tokens - then the host looks at their tokens: streams them, ends rows at their stop tokens,
-   stop strings or max_tokens, and a row that ended leaves its slot at once.
+4. decode: a few decode steps (MTP rounds with MTP) of every row that decodes - one while a group prefills, else
+   at most SYNC_EVERY, fewer when a row needs fewer tokens - then the host looks at their tokens: streams them,
+   ends rows at their stop tokens, stop strings or max_tokens, and a row that ended leaves its slot at once.
 
 So a request joins the running batch at the next iteration, no request waits for another's whole prefill or
 whole generation, and a long prompt's prefill is interleaved with everyone's decode steps. A request whose
@@ -74,6 +74,14 @@ def chunk_width(group_width: int, longest: int) -> int:
     shorter (rounded up to a multiple of WIDTH_STEP): on a CPU a lone 512-token prompt in a 4,096-wide chunk took
     eight times as long as at its own width. It depends on the group's own prompts alone."""
     return min(group_width, max(1, -(-longest // WIDTH_STEP)) * WIDTH_STEP)
+
+
+def decode_rounds(left: Sequence[int], prefilling: bool) -> int:
+    """Decode steps (MTP rounds) an iteration runs for rows with `left` tokens still to make each: one while a
+    group prefills - on a device a step of a few rows costs about what one of the whole batch does, so the rows
+    waiting for their prompts should join the batch within a step or two, not eight - else SYNC_EVERY, fewer when a
+    row needs fewer."""
+    return 1 if prefilling else min(SYNC_EVERY, min(left))
 
 
 @dataclass(eq=False)
@@ -361,7 +369,7 @@ class ContinuousBatcher(Batcher):
         decoding = self.slots.decoding
         if not decoding:
             return
-        rounds = min(SYNC_EVERY, min(row.left for row in decoding))
+        rounds = decode_rounds([row.left for row in decoding], prefilling=bool(self.groups))
         for result in self.runner.decode_slots(len(decoding), rounds):
             for row, new in zip(decoding, result.tokens, strict=True):
                 if not row.ended:

@@ -1,0 +1,177 @@
+"""Benchmark: where the time of `npuport serve`'s continuous batch goes - the same clients as
+bench/serve_engine_ratio.py, driving the batcher in this process (no HTTP), every call the worker makes to the
+model timed - against the engine's batch of the same prompts, in the same run.
+
+    python -P bench/serve_trace.py --model ARTIFACT --out DIR [--clients 32] [--prompt-tokens 512]
+                                   [--new-tokens 64] [--requests-per-client 2] [--mtp 0]
+
+For the timed bursts (after one warm-up burst of every client once) it writes DIR/serve_trace-mtpK.json: each call
+(open_slots, capture_decode_steps, prefill_slots, decode_slots, move_slots) with its start, seconds, arguments
+(rows, width, slots, rounds) and the Triton kernels compiled and device graphs captured during it (a fresh
+TRITON_CACHE_DIR counts compiles), and a summary: per call, its count, seconds in all, the slowest, and the
+seconds of calls that compiled or captured; the worker's time outside the model's calls (the host's own work);
+output tok/s of the bursts and of the engine's batch (measure_throughput).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import tempfile
+import time
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+os.environ.setdefault("TRITON_CACHE_DIR", tempfile.mkdtemp(prefix="serve-trace-triton-"))
+
+import torch  # noqa: E402
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+TRACED = ("open_slots", "capture_decode_steps", "prefill_slots", "decode_slots", "move_slots")
+
+
+def compiled_kernels() -> int:
+    """Kernels Triton has compiled into its (fresh) cache folder so far."""
+    root = Path(os.environ["TRITON_CACHE_DIR"])
+    return sum(1 for entry in os.scandir(root) if entry.is_dir()) if root.exists() else 0
+
+
+def call_arguments(name: str, args: tuple) -> dict:
+    if name == "prefill_slots":
+        first, chunk, width = args[:3]
+        return {"first": first, "rows": len(chunk), "width": width, "tokens": sum(len(c.tokens) for c in chunk)}
+    if name == "decode_slots":
+        return {"n": args[0], "rounds": args[1]}
+    if name == "move_slots":
+        return {"slots": len(args[0])}
+    return {}
+
+
+class CallTrace:
+    """Wraps the runner's slot calls: each one's seconds, arguments, compiles and captures, while `recording`."""
+
+    def __init__(self, runner) -> None:
+        from npuport.runtime.graphs import CAPTURES
+
+        self.captures, self.calls, self.recording = CAPTURES, [], False
+        self.origin = time.perf_counter()
+        for name in TRACED:
+            setattr(runner, name, self._timed(name, getattr(runner, name)))
+
+    def _timed(self, name: str, call):
+        def timed(*args, **kwargs):
+            kernels, captures, start = compiled_kernels(), self.captures.graphs, time.perf_counter()
+            result = call(*args, **kwargs)
+            if torch.cuda.is_available():
+                torch.cuda.synchronize()
+            seconds = time.perf_counter() - start
+            if self.recording:
+                self.calls.append({"call": name, "start": start - self.origin, "seconds": seconds,
+                                   "compiled": compiled_kernels() - kernels,
+                                   "captured": self.captures.graphs - captures, **call_arguments(name, args)})
+            return result
+        return timed
+
+
+def summary(calls: list[dict], wall: float) -> dict:
+    per_call = {}
+    for name in TRACED:
+        mine = [c for c in calls if c["call"] == name]
+        if not mine:
+            continue
+        slow = [c for c in mine if c["compiled"] or c["captured"]]
+        per_call[name] = {"count": len(mine), "seconds": sum(c["seconds"] for c in mine),
+                          "slowest": max(mine, key=lambda c: c["seconds"]),
+                          "compiling_or_capturing": len(slow), "their_seconds": sum(c["seconds"] for c in slow)}
+    decodes = [c for c in calls if c["call"] == "decode_slots"]
+    if decodes:
+        per_call["decode_slots"]["mean_rows"] = sum(c["n"] * c["rounds"] for c in decodes) / sum(
+            c["rounds"] for c in decodes)
+        per_call["decode_slots"]["rounds"] = sum(c["rounds"] for c in decodes)
+    in_calls = sum(c["seconds"] for c in calls)
+    return {"wall_s": wall, "in_model_calls_s": in_calls, "outside_calls_s": wall - in_calls, "calls": per_call}
+
+
+def run_clients(batcher, prompts: list[list[int]], new_tokens: int, per_client: int) -> int:
+    from npuport.runtime.sampling import SamplingParams
+    from npuport.runtime.serving.batching import Job
+    from npuport.runtime.text_completions import TextRequest
+
+    def client(prompt: list[int]) -> int:
+        made = 0
+        for _ in range(per_client):
+            job = Job([TextRequest(prompt, new_tokens, ignore_eos=True)], SamplingParams())
+            made += batcher.submit(job).result()[0].result.completion.completion_tokens
+        return made
+
+    with ThreadPoolExecutor(len(prompts)) as pool:
+        return sum(pool.map(client, prompts))
+
+
+def sync_every_rounds(left, prefilling: bool) -> int:
+    """The batcher's decode rounds before they dropped to one while a group prefills."""
+    from npuport.runtime.generate import SYNC_EVERY
+
+    return min(SYNC_EVERY, min(left))
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--model", type=Path, required=True)
+    parser.add_argument("--out", type=Path, required=True)
+    parser.add_argument("--clients", type=int, default=32)
+    parser.add_argument("--prompt-tokens", type=int, default=512)
+    parser.add_argument("--new-tokens", type=int, default=64)
+    parser.add_argument("--requests-per-client", type=int, default=2)
+    parser.add_argument("--mtp", default="0")
+    parser.add_argument("--device", default=None)
+    parser.add_argument("--rounds", default="serve", help="The batcher's decode rounds per iteration, each timed: "
+                        "'serve' (its own rule), 'sync-every' (SYNC_EVERY, fewer when a row needs fewer, even while "
+                        "a group prefills: the rule before). Comma-separated.")
+    args = parser.parse_args()
+    args.out.mkdir(parents=True, exist_ok=True)
+    from npuport.runtime.serving import continuous
+    from npuport.runtime.serving.continuous import ContinuousBatcher
+    from npuport.runtime.text_completions import RuntimeCompletions
+    from npuport.runtime.validation.throughput import measure_throughput
+
+    g = torch.Generator().manual_seed(0)
+    prompts = torch.randint(10, 2000, (args.clients, args.prompt_tokens), generator=g).tolist()
+    policies = {"serve": continuous.decode_rounds, "sync-every": sync_every_rounds}
+    for k in [int(x) for x in args.mtp.split(",")]:
+        runner = RuntimeCompletions.load(args.model, device=args.device, batch_size=args.clients, mtp=k)
+        engine = measure_throughput(runner.model, prompts, args.new_tokens, mtp=k, label=f"mtp {k}", repeats=2)
+        trace = CallTrace(runner)
+        for rounds in args.rounds.split(","):
+            continuous.decode_rounds = policies[rounds]
+            batcher = ContinuousBatcher(runner, args.clients)
+            run_clients(batcher, prompts, args.new_tokens, 1)
+            trace.calls, trace.recording = [], True
+            warm_captures, warm_kernels = trace.captures.graphs, compiled_kernels()
+            start = time.perf_counter()
+            tokens = run_clients(batcher, prompts, args.new_tokens, args.requests_per_client)
+            wall = time.perf_counter() - start
+            trace.recording = False
+            batcher.close()
+            report = {"mtp": k, "rounds": rounds,
+                      "device": torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu",
+                      "engine_output_tokens_per_s": engine.output_tokens_per_s,
+                      "serve_output_tokens_per_s": tokens / wall,
+                      "serve_vs_engine": tokens / wall / engine.output_tokens_per_s,
+                      "captures_timed": trace.captures.graphs - warm_captures,
+                      "kernels_compiled_timed": compiled_kernels() - warm_kernels,
+                      **summary(trace.calls, wall)}
+            print(json.dumps(report, indent=1), flush=True)
+            (args.out / f"serve_trace-mtp{k}-{rounds}.json").write_text(
+                json.dumps({**report, "trace": trace.calls}) + "\n")
+        continuous.decode_rounds = policies["serve"]
+        del runner, trace
+        if torch.cuda.is_available():
+            torch.cuda.empty_cache()
+
+
+if __name__ == "__main__":
+    main()
