@@ -1,15 +1,17 @@
 """Benchmark: where the time of `npuport serve`'s continuous batch goes - the same clients as
 bench/serve_engine_ratio.py, driving the batcher in this process (no HTTP), every call the worker makes to the
-model timed - against the engine's batch of the same prompts, in the same run.
+model timed - against the engine's batch of the same prompts, in the same run, for the batcher as it is and as it
+was before (--variants).
 
     python -P bench/serve_trace.py --model ARTIFACT --out DIR [--clients 32] [--prompt-tokens 512]
-                                   [--new-tokens 64] [--requests-per-client 2] [--mtp 0]
+                                   [--new-tokens 64] [--requests-per-client 2] [--mtp 0,1] [--variants before,serve]
 
-For the timed bursts (after one warm-up burst of every client once) it writes DIR/serve_trace-mtpK.json: each call
-(open_slots, capture_decode_steps, prefill_slots, decode_slots, move_slots) with its start, seconds, arguments
-(rows, width, slots, rounds) and the Triton kernels compiled and device graphs captured during it (a fresh
-TRITON_CACHE_DIR counts compiles), and a summary: per call, its count, seconds in all, the slowest, and the
-seconds of calls that compiled or captured; the worker's time outside the model's calls (the host's own work);
+For the timed bursts (after one warm-up burst of every client once) it writes DIR/serve_trace-mtpK-VARIANT.json:
+each call (open_slots, capture_decode_steps, prefill_slots, decode_slots, move_slots) with its start, seconds,
+arguments (rows, width, slots, rounds) and the Triton kernels compiled and device graphs captured during it (a
+fresh TRITON_CACHE_DIR counts compiles), and a summary: per call, its count, seconds in all, the slowest, and the
+seconds of calls that compiled or captured; the int8 GEMM shapes tuned during the bursts; the worker's time
+outside the model's calls (the host's own work); the seconds the batcher took to start (its prefill warm-up);
 output tok/s of the bursts and of the engine's batch (measure_throughput).
 """
 
@@ -128,11 +130,13 @@ def main() -> None:
     parser.add_argument("--requests-per-client", type=int, default=2)
     parser.add_argument("--mtp", default="0")
     parser.add_argument("--device", default=None)
-    parser.add_argument("--rounds", default="serve", help="The batcher's decode rounds per iteration, each timed: "
-                        "'serve' (its own rule), 'sync-every' (SYNC_EVERY, fewer when a row needs fewer, even while "
-                        "a group prefills: the rule before). Comma-separated.")
+    parser.add_argument("--variants", default="before,serve",
+                        help="The batchers timed, in this order, comma-separated: 'serve' (as it is), 'before' (its "
+                             "decode rounds SYNC_EVERY even while a group prefills, and no prefill warm-up when it "
+                             "starts). GEMM tunings are kept for the process: time 'before' first.")
     args = parser.parse_args()
     args.out.mkdir(parents=True, exist_ok=True)
+    from npuport.kernels.w8a8 import gemm
     from npuport.runtime.serving import continuous
     from npuport.runtime.serving.continuous import ContinuousBatcher
     from npuport.runtime.text_completions import RuntimeCompletions
@@ -140,34 +144,40 @@ def main() -> None:
 
     g = torch.Generator().manual_seed(0)
     prompts = torch.randint(10, 2000, (args.clients, args.prompt_tokens), generator=g).tolist()
-    policies = {"serve": continuous.decode_rounds, "sync-every": sync_every_rounds}
+    # variant -> (the batcher's decode rounds rule, whether it warms its prefill up)
+    variants = {"serve": (continuous.decode_rounds, True), "before": (sync_every_rounds, False)}
+    runs_triton = continuous.runs_triton
     for k in [int(x) for x in args.mtp.split(",")]:
         runner = RuntimeCompletions.load(args.model, device=args.device, batch_size=args.clients, mtp=k)
         engine = measure_throughput(runner.model, prompts, args.new_tokens, mtp=k, label=f"mtp {k}", repeats=2)
         trace = CallTrace(runner)
-        for rounds in args.rounds.split(","):
-            continuous.decode_rounds = policies[rounds]
+        for variant in args.variants.split(","):
+            continuous.decode_rounds, warm = variants[variant]
+            continuous.runs_triton = runs_triton if warm else (lambda device: False)
+            made = time.perf_counter()
             batcher = ContinuousBatcher(runner, args.clients)
+            warm_up_s = time.perf_counter() - made
             run_clients(batcher, prompts, args.new_tokens, 1)
             trace.calls, trace.recording = [], True
-            warm_captures, warm_kernels = trace.captures.graphs, compiled_kernels()
+            warm_captures, warm_kernels, warm_tuned = trace.captures.graphs, compiled_kernels(), len(gemm._tuned)
             start = time.perf_counter()
             tokens = run_clients(batcher, prompts, args.new_tokens, args.requests_per_client)
             wall = time.perf_counter() - start
             trace.recording = False
             batcher.close()
-            report = {"mtp": k, "rounds": rounds,
+            report = {"mtp": k, "variant": variant, "batcher_start_s": warm_up_s,
                       "device": torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu",
                       "engine_output_tokens_per_s": engine.output_tokens_per_s,
                       "serve_output_tokens_per_s": tokens / wall,
                       "serve_vs_engine": tokens / wall / engine.output_tokens_per_s,
                       "captures_timed": trace.captures.graphs - warm_captures,
                       "kernels_compiled_timed": compiled_kernels() - warm_kernels,
+                      "gemm_tunings_timed": len(gemm._tuned) - warm_tuned,
                       **summary(trace.calls, wall)}
             print(json.dumps(report, indent=1), flush=True)
-            (args.out / f"serve_trace-mtp{k}-{rounds}.json").write_text(
+            (args.out / f"serve_trace-mtp{k}-{variant}.json").write_text(
                 json.dumps({**report, "trace": trace.calls}) + "\n")
-        continuous.decode_rounds = policies["serve"]
+        continuous.decode_rounds, continuous.runs_triton = variants["serve"][0], runs_triton
         del runner, trace
         if torch.cuda.is_available():
             torch.cuda.empty_cache()

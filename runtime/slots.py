@@ -348,6 +348,32 @@ def capture_decode_steps(model: Qwen35) -> int:
 
 @mirrored
 @torch.no_grad()
+def warm_up_prefill(model: Qwen35, options: RunOptions, shapes: Sequence[tuple[int, int]]) -> int:
+    """Prefill chunks of these (rows, width) shapes - and the MTP head's over them, with MTP - through scratch
+    states of their own (the pool is not touched), so that the kernels they need are compiled and the GEMM tiles of
+    their ranges of rows tuned (kernels/w8a8/gemm.py tunes on the first call of a shape) before any client waits.
+    Returns the chunks run."""
+    for rows in sorted({r for r, _ in shapes}):
+        widths = [w for r, w in shapes if r == rows]
+        capacity = rounded_capacity(max(widths))
+        state = model.new_state(rows, capacity, spec_tokens=options.mtp)
+        head = model.new_mtp_state(rows, capacity) if options.mtp else None
+        with dispatch(bf16=options.dispatch.bf16):
+            for width in widths:
+                tokens = torch.zeros(rows, width, dtype=torch.long, device=model.device)
+                n_valid = torch.full((rows,), width, device=model.device)
+                hidden = prefill(model, state, tokens, n_valid, width)
+                if head is not None:
+                    with batch_invariant(None):
+                        mtp_prefill_chunk(model, head, tokens, hidden, n_valid - 1, n_valid)
+                for scratch in (state, head):
+                    if scratch is not None:
+                        reset_state(scratch)
+    return len(shapes)
+
+
+@mirrored
+@torch.no_grad()
 def move_slots(model: Qwen35, source: Sequence[int], target: Sequence[int]) -> None:
     """Move slots `source` onto slots `target`: their states, last tokens, head outputs and samplers."""
     if not source:

@@ -237,6 +237,10 @@ class RuntimeCompletions:
         """With graphs, the decode step of every bucket of the pool captured now (slots.capture_decode_steps)."""
         return slots.capture_decode_steps(self.model)
 
+    def warm_up_prefill(self, shapes: Sequence[tuple[int, int]]) -> int:
+        """Prefill chunks of these (rows, width) shapes on scratch states (slots.warm_up_prefill); how many."""
+        return slots.warm_up_prefill(self.model, self.options, shapes)
+
     def decode_slots(self, n: int, rounds: int) -> list[slots.DecodeRound]:
         """`rounds` decode steps (MTP rounds) of slots [0, n) (slots.decode_slots)."""
         return slots.decode_slots(self.model, n, rounds)

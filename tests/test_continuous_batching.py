@@ -20,10 +20,19 @@ from npuport.runtime.generate import SYNC_EVERY, generate
 from npuport.runtime.loader import load_model
 from npuport.runtime.run_options import run_options
 from npuport.runtime.sampling import SamplingParams
+from npuport.runtime.serving import continuous
 from npuport.runtime.serving.batching import Job
-from npuport.runtime.serving.continuous import ContinuousBatcher
+from npuport.runtime.serving.continuous import WIDTH_STEP, ContinuousBatcher, chunk_width, group_width, warm_up_shapes
 from npuport.runtime.serving.serve import make_server
-from npuport.runtime.slots import ChunkRow, RowSampling, decode_slots, move_slots, open_slots, prefill_slots
+from npuport.runtime.slots import (
+    ChunkRow,
+    RowSampling,
+    decode_slots,
+    move_slots,
+    open_slots,
+    prefill_slots,
+    warm_up_prefill,
+)
 from npuport.runtime.text_completions import RuntimeCompletions, TextRequest
 
 pytestmark = pytest.mark.usefixtures("one_cpu_thread")
@@ -291,3 +300,51 @@ def test_rows_decode_one_round_an_iteration_while_a_group_prefills_and_up_to_syn
     for prompt, answer, new in zip([short, long], answers, [60, 20], strict=True):
         assert answer.result.token_ids == generate(runner64.model, [prompt], new, runner64.options,
                                                    stop_tokens=runner64.stop_tokens).tokens[0]
+
+
+def triton_class(rows: int) -> int:
+    """How Triton specialises an integer argument: 1, divisible by 16, or neither (stood for by 1, 16 and 2)."""
+    return 1 if rows == 1 else 16 if rows % 16 == 0 else 2
+
+
+@pytest.mark.parametrize("budget", [4096, 3000, 1024])
+def test_the_warm_up_meets_every_chunk_shape_the_batcher_can_form(budget):
+    """Every prefill chunk a batcher of this budget can run - any rows up to budget / 16, every width its group
+    and prompts give - falls in a warmed (Triton class of its rows, power of two of its rows x width) pair, so it
+    compiles no kernel and tunes no GEMM while clients wait; no warm-up chunk exceeds the budget."""
+    shapes = warm_up_shapes(budget)
+    warmed = {(triton_class(rows), (rows * width - 1).bit_length()) for rows, width in shapes}
+    assert all(rows * width <= budget and width % WIDTH_STEP == 0 for rows, width in shapes)
+    for rows in range(1, budget // WIDTH_STEP + 1):
+        width = group_width(budget, rows)
+        for longest in range(1, width + 1):
+            m = rows * chunk_width(width, longest)
+            assert m <= budget
+            assert (triton_class(rows), (m - 1).bit_length()) in warmed, (rows, longest)
+
+
+def test_the_prefill_warm_up_runs_its_shapes_on_scratch_states_and_leaves_the_pool_alone(model64):
+    """slots.warm_up_prefill (with MTP: the head's prefill too) runs each shape and touches no slot of the pool:
+    a row prefilled before it decodes the tokens generate() gives."""
+    options = run_options(model64, 1)
+    prompt = prompts(1, 9)[0]
+    open_slots(model64, options, 2, 256)
+    first = prefill_alone(model64, 2, prompt, 16)
+    move_slots(model64, [2], [0])
+    assert warm_up_prefill(model64, options, [(1, 16), (2, 32), (1, 48)]) == 3
+    made = [first]
+    while len(made) < 12:
+        made += [t for r in decode_slots(model64, 1, 4) for t in r.tokens[0]]
+    assert made[:12] == generate(model64, [prompt], 12).tokens[0]
+
+
+def test_a_batcher_warms_its_prefill_up_where_triton_kernels_run_and_not_elsewhere(runner64, monkeypatch):
+    """Where the Triton kernels run (a GPU, an NPU), the batcher runs warm_up_shapes(its budget) before its worker
+    takes a request; on the CPU (PyTorch's kernels: nothing to compile or tune) it does not."""
+    calls = []
+    monkeypatch.setattr(runner64, "warm_up_prefill", lambda shapes: calls.append(shapes) or len(shapes))
+    ContinuousBatcher(runner64, 4, prefill_tokens=512).close(30)
+    assert calls == []
+    monkeypatch.setattr(continuous, "runs_triton", lambda device: True)
+    ContinuousBatcher(runner64, 4, prefill_tokens=512).close(30)
+    assert calls == [warm_up_shapes(512)]

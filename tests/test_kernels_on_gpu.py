@@ -602,3 +602,29 @@ def test_decode_steps_captured_up_front_run_no_step_and_leave_nothing_to_capture
     assert captured - before == 3
     assert joining_schedule(model, options, rows, 40) == expected
     assert CAPTURES.graphs == captured
+
+
+def test_a_batcher_tunes_no_gemm_while_it_serves_after_its_prefill_warm_up(wider_models):
+    """ContinuousBatcher on a W8A8 model warms its prefill up when it starts (continuous.warm_up_shapes): once its
+    pool is made and its decode steps captured (the first request), groups of 1, 3 and 20 rows with prompts of
+    many lengths tune no int8 GEMM (kernels/w8a8/gemm.py tunes on a shape's first call: seconds, while clients
+    wait), and every row gets its 16 tokens."""
+    from npuport.kernels.w8a8 import gemm
+    from npuport.runtime.serving.batching import Job
+    from npuport.runtime.serving.continuous import ContinuousBatcher
+    from npuport.runtime.text_completions import RuntimeCompletions, TextRequest
+    from tests.test_continuous_batching import prompts
+
+    runner = RuntimeCompletions.load(wider_models["w8a8 moe"], device=CUDA, dtype="bfloat16", batch_size=32)
+    batcher = ContinuousBatcher(runner, 32)
+    try:
+        batcher.submit(Job([TextRequest([5, 6, 7], 24)], SamplingParams())).result(timeout=600)
+        tuned = set(gemm._tuned)
+        groups = [prompts(1, 1, 600, 700), prompts(3, 2, 20, 300), prompts(20, 3, 5, 200)]
+        futures = [batcher.submit(Job([TextRequest(p, 16, ignore_eos=True) for p in group], SamplingParams()))
+                   for group in groups]
+        answers = [f.result(timeout=600) for f in futures]
+    finally:
+        batcher.close(60)
+    assert set(gemm._tuned) == tuned
+    assert [[len(a.result.token_ids) for a in answer] for answer in answers] == [[16] * len(g) for g in groups]

@@ -37,7 +37,7 @@ from collections import deque
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
-from npuport.devices import graphs_supported
+from npuport.devices import graphs_supported, runs_triton
 from npuport.runtime.completion import CANCELLED, Completion, stop_token_end
 from npuport.runtime.generate import SYNC_EVERY
 from npuport.runtime.incremental_text import StopStrings
@@ -67,6 +67,23 @@ def group_width(budget: int, rows: int) -> int:
     WIDTH_STEP once it is that wide."""
     width = max(1, budget // rows)
     return width - width % WIDTH_STEP if width >= WIDTH_STEP else width
+
+
+def warm_up_shapes(budget: int) -> list[tuple[int, int]]:
+    """The (rows, width) prefill chunks run when a batcher with graphs starts (slots.warm_up_prefill), so that no
+    chunk of `budget` positions at most, of any rows and width the batcher forms, meets a kernel to compile or a GEMM
+    to tune while clients wait: Triton specialises an integer argument by whether it is 1 and whether 16 divides
+    it (so rows 1, 2 and 16 stand for every count of rows), and the int8 GEMMs tune per power of two of their rows
+    (rows x width here): for each, widths of every power of two of WIDTH_STEP and up that fits, and the widest
+    multiple of WIDTH_STEP that does."""
+    shapes = []
+    for rows in (1, 2, 16):
+        widest = budget // rows - budget // rows % WIDTH_STEP
+        if widest < WIDTH_STEP:
+            continue
+        widths = {widest} | {WIDTH_STEP << i for i in range(widest.bit_length()) if WIDTH_STEP << i <= widest}
+        shapes += [(rows, width) for width in sorted(widths)]
+    return shapes
 
 
 def chunk_width(group_width: int, longest: int) -> int:
@@ -173,6 +190,8 @@ class ContinuousBatcher(Batcher):
         self.round_tokens = ROUND_TOKENS
         self._seeds = random.Random()
         self._arrived = itertools.count()
+        if runs_triton(runner.model.device):  # kernels to compile, GEMM tiles to tune: now, not while clients wait
+            runner.warm_up_prefill(warm_up_shapes(self.prefill_tokens))
         self.worker.start()
 
     # -- the worker -------------------------------------------------------------------------------------------
