@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import gc
 import importlib
 import weakref
 from types import ModuleType
@@ -231,11 +232,19 @@ class DeviceGraph:
     def capture(self, fn):
         """Record fn(); returns its outputs, which every replay overwrites in place. With a process group up, the
         capture only forbids this thread's unsafe calls: the NCCL (HCCL) watchdog thread queries its events
-        meanwhile."""
+        meanwhile. Python's cyclic garbage collector is held off meanwhile: graphs of dropped steps (a closed or
+        grown slot pool) live in reference cycles, and one destroyed by a collection during a capture invalidates
+        it (seen on an H100: a serve pool made again, its first capture failed)."""
         grouped = torch.distributed.is_available() and torch.distributed.is_initialized()
-        with self.runtime.graph(self.graph, pool=self.pool,
-                                capture_error_mode="thread_local" if grouped else "global"):
-            return fn()
+        collecting = gc.isenabled()
+        gc.disable()
+        try:
+            with self.runtime.graph(self.graph, pool=self.pool,
+                                    capture_error_mode="thread_local" if grouped else "global"):
+                return fn()
+        finally:
+            if collecting:
+                gc.enable()
 
     @staticmethod
     def new_pool(device: torch.device):
