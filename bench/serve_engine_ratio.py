@@ -14,7 +14,9 @@ accelerator. For each MTP setting, one runtime:
   ignore_eos, the same new tokens), after one warm-up burst of every client once: output tokens over the wall time
   of the timed bursts. (Clients in the server's own process would share its interpreter lock with the worker that
   drives the model: on a CPU that cost a third of the throughput.) Also from serve's /metrics: the device graphs
-  captured during the warm-up burst and during the timed ones, and the seconds the latter took.
+  captured during the warm-up burst and during the timed ones, and the seconds the latter took; the mean seconds
+  of a timed request as its client saw it and as the server measured it (from the request read whole to its
+  answer): what lies between is HTTP and the clients.
 Prints and writes (DIR/serve_engine_ratio.json) every figure and the ratios serve / engine.
 """
 
@@ -54,33 +56,46 @@ def serve_command(path: Path, port: int, args, mtp: int) -> list[str]:
 def serve_throughput(command: list[str], port: int, log: Path, prompts: list[list[int]], new_tokens: int,
                      per_client: int) -> dict:
     with serving(command, port, log) as url:
-        def client(prompt: list[int], requests: int) -> int:
-            made = 0
+        def client(prompt: list[int], requests: int) -> tuple[int, float]:
+            made, waited = 0, 0.0
             for _ in range(requests):
                 body = {"prompt": [prompt], "max_tokens": new_tokens, "temperature": 0, "ignore_eos": True}
+                sent = time.perf_counter()
                 made += post_json(url + "/v1/completions", body)["usage"]["completion_tokens"]
-            return made
+                waited += time.perf_counter() - sent
+            return made, waited
 
         with ThreadPoolExecutor(len(prompts)) as pool:
             list(pool.map(lambda p: client(p, 1), prompts))  # warm-up: graphs of the batch sizes met
-            warm = capture_counters(url)
+            warm = served_counters(url)
             start = time.perf_counter()
-            tokens = sum(pool.map(lambda p: client(p, per_client), prompts))
+            answers = list(pool.map(lambda p: client(p, per_client), prompts))
             seconds = time.perf_counter() - start
-            timed = capture_counters(url)
+            timed = served_counters(url)
+    tokens = sum(made for made, _ in answers)
+    requests = timed["e2e_request_latency_seconds_count"] - warm["e2e_request_latency_seconds_count"]
     return {"output_tokens": tokens, "seconds": seconds, "output_tokens_per_s": tokens / seconds,
-            "graph_captures_warm_up": warm[0], "graph_captures_timed": timed[0] - warm[0],
-            "graph_capture_seconds_timed": timed[1] - warm[1]}
+            "graph_captures_warm_up": warm["graph_captures_total"],
+            "graph_captures_timed": timed["graph_captures_total"] - warm["graph_captures_total"],
+            "graph_capture_seconds_timed": timed["graph_capture_seconds_total"] - warm["graph_capture_seconds_total"],
+            "client_request_s_mean": sum(waited for _, waited in answers) / (len(prompts) * per_client),
+            "server_request_s_mean": (timed["e2e_request_latency_seconds_sum"]
+                                      - warm["e2e_request_latency_seconds_sum"]) / requests}
 
 
-def capture_counters(url: str) -> tuple[float, float]:
-    """serve's /metrics: (graphs captured, seconds their captures took) so far."""
+COUNTERS = ("graph_captures_total", "graph_capture_seconds_total", "e2e_request_latency_seconds_sum",
+            "e2e_request_latency_seconds_count")
+
+
+def served_counters(url: str) -> dict[str, float]:
+    """serve's /metrics so far: graphs captured and the seconds their captures took, the requests answered and
+    the sum of their latencies from arrival to answer (server side)."""
     values = {}
     for line in get_text(url + "/metrics", timeout_s=30.0).splitlines():
-        for name in ("graph_captures_total", "graph_capture_seconds_total"):
+        for name in COUNTERS:
             if line.startswith(f"npuport:{name}{{"):
                 values[name] = float(line.rsplit(" ", 1)[1])
-    return values["graph_captures_total"], values["graph_capture_seconds_total"]
+    return values
 
 
 def main() -> None:
