@@ -27,6 +27,10 @@ Each row samples with a generator of its own (seeded from the request's seed and
 seed drawn here), so its draws do not depend on its neighbours. Decode steps batch every row: their rounding
 follows the batch size unless the steps are batch-invariant (the run options); `serve --batch-invariant` keeps the
 RequestBatcher's one row at a time.
+
+Nothing is compiled, tuned or captured while clients wait: where the Triton kernels run, the batcher prefills a
+chunk of every shape class on scratch states when it starts (warm_up_shapes), and it captures the decode step of
+every batch size whenever it makes or grows its pool (slots.capture_decode_steps).
 """
 
 from __future__ import annotations
