@@ -3,7 +3,8 @@
 #   bash bench/gpu_acceptance.sh OUT [serve|e2e35|e2e397|tests ...]   (default: tests serve e2e35)
 # - tests:  the GPU tests of continuous batching, decode graphs captured up front and batch-invariant steps;
 # - serve:  issue 41's acceptance: serve with 32 clients against the engine's batch of 32, 35B-A3B widths, 8 layers,
-#           W8A8, MTP off and k = 1 (bench/serve_engine_ratio.py; `graph_captures_timed` should be 0);
+#           W8A8, MTP off and k = 1 (bench/serve_engine_ratio.py; `graph_captures_timed` should be 0), then
+#           the batcher's calls timed in process, directly and behind HTTP (bench/serve_trace.py);
 # - e2e35:  issue 40: W4A8 vs W8A8 vs BF16 decode per token, 35B-A3B widths, 4 layers (bench/moe.py --e2e);
 # - e2e397: the same at 397B-A17B widths, 1 layer: a 29 GB source, its artifacts under /dev/shm (a 64 GB disk
 #           holds the source and one artifact, not three); the W4A8 conversion alone takes minutes, so run it in a
@@ -37,8 +38,10 @@ for step in ${steps[*]}; do
     serve)
         make_like 35B-A3B 8 "$models/src35_8" "$models/w8a8_35_8"
         rm -rf "$models/src35_8"
-        timeout 500 python -P bench/serve_engine_ratio.py --out "$out/serve" --model "$models/w8a8_35_8" \
-            --mtp 0,1 --requests-per-client 2 ;;
+        timeout 300 python -P bench/serve_engine_ratio.py --out "$out/serve" --model "$models/w8a8_35_8" \
+            --mtp 0,1 --requests-per-client 4
+        timeout 280 python -P bench/serve_trace.py --out "$out/trace" --model "$models/w8a8_35_8" \
+            --mtp 0,1 --variants before,serve,http --requests-per-client 4 ;;
     e2e35)
         make_like 35B-A3B 4 "$models/src35_4"
         timeout 600 python -P bench/moe.py --out "$out/e2e35" --skip-layer --e2e "$out/e2e35/work" \

@@ -1,10 +1,11 @@
 """Benchmark: where the time of `npuport serve`'s continuous batch goes - the same clients as
 bench/serve_engine_ratio.py, driving the batcher in this process (no HTTP), every call the worker makes to the
-model timed - against the engine's batch of the same prompts, in the same run, for the batcher as it is and as it
-was before (--variants).
+model timed - against the engine's batch of the same prompts, in the same run, for the batcher as it is, as it was
+before, and as it is behind serve's HTTP server in this process with the clients asking over HTTP (--variants).
 
     python -P bench/serve_trace.py --model ARTIFACT --out DIR [--clients 32] [--prompt-tokens 512]
-                                   [--new-tokens 64] [--requests-per-client 2] [--mtp 0,1] [--variants before,serve]
+                                   [--new-tokens 64] [--requests-per-client 2] [--mtp 0,1]
+                                   [--variants before,serve,http]
 
 For the timed bursts (after one warm-up burst of every client once) it writes DIR/serve_trace-mtpK-VARIANT.json:
 each call (open_slots, capture_decode_steps, prefill_slots, decode_slots, move_slots) with its start, seconds,
@@ -18,12 +19,16 @@ output tok/s of the bursts and of the engine's batch (measure_throughput).
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import sys
 import tempfile
+import threading
 import time
+from collections.abc import Callable, Iterator
 from concurrent.futures import ThreadPoolExecutor
+from dataclasses import replace
 from pathlib import Path
 
 os.environ.setdefault("TRITON_CACHE_DIR", tempfile.mkdtemp(prefix="serve-trace-triton-"))
@@ -31,6 +36,9 @@ os.environ.setdefault("TRITON_CACHE_DIR", tempfile.mkdtemp(prefix="serve-trace-t
 import torch  # noqa: E402
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+from bench.engines.engine_servers import post_json  # noqa: E402
+from npuport.runtime.serving.limits import DEFAULT_LIMITS  # noqa: E402
 
 TRACED = ("open_slots", "capture_decode_steps", "prefill_slots", "decode_slots", "move_slots")
 
@@ -97,20 +105,55 @@ def summary(calls: list[dict], wall: float) -> dict:
     return {"wall_s": wall, "in_model_calls_s": in_calls, "outside_calls_s": wall - in_calls, "calls": per_call}
 
 
-def run_clients(batcher, prompts: list[list[int]], new_tokens: int, per_client: int) -> int:
+def in_process(batcher, new_tokens: int) -> Callable[[list[int]], int]:
+    """A client's request straight to the batcher: the completion tokens it got."""
     from npuport.runtime.sampling import SamplingParams
     from npuport.runtime.serving.batching import Job
     from npuport.runtime.text_completions import TextRequest
 
-    def client(prompt: list[int]) -> int:
-        made = 0
-        for _ in range(per_client):
-            job = Job([TextRequest(prompt, new_tokens, ignore_eos=True)], SamplingParams())
-            made += batcher.submit(job).result()[0].result.completion.completion_tokens
-        return made
+    def ask(prompt: list[int]) -> int:
+        job = Job([TextRequest(prompt, new_tokens, ignore_eos=True)], SamplingParams())
+        return batcher.submit(job).result()[0].result.completion.completion_tokens
+    return ask
 
+
+def over_http(url: str, new_tokens: int) -> Callable[[list[int]], int]:
+    """A client's request to serve's /v1/completions: the completion tokens it got."""
+    def ask(prompt: list[int]) -> int:
+        body = {"prompt": [prompt], "max_tokens": new_tokens, "temperature": 0, "ignore_eos": True}
+        return post_json(url + "/v1/completions", body)["usage"]["completion_tokens"]
+    return ask
+
+
+def run_clients(ask: Callable[[list[int]], int], prompts: list[list[int]], per_client: int) -> int:
+    """One client thread per prompt, each asking per_client times in turn; the tokens made in all."""
     with ThreadPoolExecutor(len(prompts)) as pool:
-        return sum(pool.map(client, prompts))
+        return sum(pool.map(lambda prompt: sum(ask(prompt) for _ in range(per_client)), prompts))
+
+
+@contextlib.contextmanager
+def batch_of(runner, clients: int, http: bool, new_tokens: int) -> Iterator[Callable[[list[int]], int]]:
+    """The batcher of `clients` rows over `runner` and how a client asks it: directly, or (http) through
+    `npuport serve`'s server in this process, on a port of its own."""
+    from npuport.runtime.serving.continuous import ContinuousBatcher
+    from npuport.runtime.serving.serve import make_server
+
+    if not http:
+        batcher = ContinuousBatcher(runner, clients)
+        try:
+            yield in_process(batcher, new_tokens)
+        finally:
+            batcher.close()
+        return
+    limits = replace(DEFAULT_LIMITS, max_connections=clients, max_client_requests=clients,
+                     max_client_connections=max(DEFAULT_LIMITS.max_client_connections, 2 * clients))
+    server = make_server(runner, "trace", "127.0.0.1", 0, limits=limits)
+    threading.Thread(target=server.serve_forever, kwargs={"poll_interval": 0.05}, daemon=True).start()
+    try:
+        yield over_http(server.url, new_tokens)
+    finally:
+        server.shutdown()
+        server.stop(5.0, lambda line: None)
 
 
 def sync_every_rounds(left, prefilling: bool) -> int:
@@ -133,38 +176,39 @@ def main() -> None:
     parser.add_argument("--variants", default="before,serve",
                         help="The batchers timed, in this order, comma-separated: 'serve' (as it is), 'before' (its "
                              "decode rounds SYNC_EVERY even while a group prefills, and no prefill warm-up when it "
-                             "starts). GEMM tunings are kept for the process: time 'before' first.")
+                             "starts), 'http' (as it is, behind serve's HTTP server in this process, asked over HTTP: "
+                             "requests arrive as real clients send them). GEMM tunings are kept for the process: "
+                             "time 'before' first.")
     args = parser.parse_args()
     args.out.mkdir(parents=True, exist_ok=True)
     from npuport.kernels.w8a8 import gemm
     from npuport.runtime.serving import continuous
-    from npuport.runtime.serving.continuous import ContinuousBatcher
     from npuport.runtime.text_completions import RuntimeCompletions
     from npuport.runtime.validation.throughput import measure_throughput
 
     g = torch.Generator().manual_seed(0)
     prompts = torch.randint(10, 2000, (args.clients, args.prompt_tokens), generator=g).tolist()
-    # variant -> (the batcher's decode rounds rule, whether it warms its prefill up)
-    variants = {"serve": (continuous.decode_rounds, True), "before": (sync_every_rounds, False)}
+    # variant -> (the batcher's decode rounds rule, whether it warms its prefill up, whether clients ask over HTTP)
+    variants = {"serve": (continuous.decode_rounds, True, False), "before": (sync_every_rounds, False, False),
+                "http": (continuous.decode_rounds, True, True)}
     runs_triton = continuous.runs_triton
     for k in [int(x) for x in args.mtp.split(",")]:
         runner = RuntimeCompletions.load(args.model, device=args.device, batch_size=args.clients, mtp=k)
         engine = measure_throughput(runner.model, prompts, args.new_tokens, mtp=k, label=f"mtp {k}", repeats=2)
         trace = CallTrace(runner)
         for variant in args.variants.split(","):
-            continuous.decode_rounds, warm = variants[variant]
+            continuous.decode_rounds, warm, http = variants[variant]
             continuous.runs_triton = runs_triton if warm else (lambda device: False)
             made = time.perf_counter()
-            batcher = ContinuousBatcher(runner, args.clients)
-            warm_up_s = time.perf_counter() - made
-            run_clients(batcher, prompts, args.new_tokens, 1)
-            trace.calls, trace.recording = [], True
-            warm_captures, warm_kernels, warm_tuned = trace.captures.graphs, compiled_kernels(), len(gemm._tuned)
-            start = time.perf_counter()
-            tokens = run_clients(batcher, prompts, args.new_tokens, args.requests_per_client)
-            wall = time.perf_counter() - start
-            trace.recording = False
-            batcher.close()
+            with batch_of(runner, args.clients, http, args.new_tokens) as ask:
+                warm_up_s = time.perf_counter() - made
+                run_clients(ask, prompts, 1)
+                trace.calls, trace.recording = [], True
+                warm_captures, warm_kernels, warm_tuned = trace.captures.graphs, compiled_kernels(), len(gemm._tuned)
+                start = time.perf_counter()
+                tokens = run_clients(ask, prompts, args.requests_per_client)
+                wall = time.perf_counter() - start
+                trace.recording = False
             report = {"mtp": k, "variant": variant, "batcher_start_s": warm_up_s,
                       "device": torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu",
                       "engine_output_tokens_per_s": engine.output_tokens_per_s,
