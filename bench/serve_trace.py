@@ -1,5 +1,5 @@
 """Benchmark: where the time of `npuport serve`'s continuous batch goes - the same clients as
-bench/serve_engine_ratio.py, driving the batcher in this process (no HTTP), every call the worker makes to the
+bench/serve_engine_ratio.py, driving the batcher in this process, every call the worker makes to the
 model timed - against the engine's batch of the same prompts, in the same run, for the batcher as it is, as it was
 before, and as it is behind serve's HTTP server in this process with the clients asking over HTTP (--variants).
 
