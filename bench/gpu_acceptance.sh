@@ -41,7 +41,7 @@ for step in ${steps[*]}; do
         timeout 300 python -P bench/serve_engine_ratio.py --out "$out/serve" --model "$models/w8a8_35_8" \
             --mtp 0,1 --requests-per-client 4
         timeout 280 python -P bench/serve_trace.py --out "$out/trace" --model "$models/w8a8_35_8" \
-            --mtp 0,1 --variants before,serve,http --requests-per-client 4 ;;
+            --mtp 0,1 --variants before,serve,http-before,http --requests-per-client 4 ;;
     e2e35)
         make_like 35B-A3B 4 "$models/src35_4"
         timeout 600 python -P bench/moe.py --out "$out/e2e35" --skip-layer --e2e "$out/e2e35/work" \

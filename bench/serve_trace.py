@@ -1,11 +1,11 @@
 """Benchmark: where the time of `npuport serve`'s continuous batch goes - the same clients as
 bench/serve_engine_ratio.py, driving the batcher in this process, every call the worker makes to the
 model timed - against the engine's batch of the same prompts, in the same run, for the batcher as it is, as it was
-before, and as it is behind serve's HTTP server in this process with the clients asking over HTTP (--variants).
+before, and both behind serve's HTTP server in this process with the clients asking over HTTP (--variants).
 
     python -P bench/serve_trace.py --model ARTIFACT --out DIR [--clients 32] [--prompt-tokens 512]
                                    [--new-tokens 64] [--requests-per-client 2] [--mtp 0,1]
-                                   [--variants before,serve,http]
+                                   [--variants before,serve,http-before,http]
 
 For the timed bursts (after one warm-up burst of every client once) it writes DIR/serve_trace-mtpK-VARIANT.json:
 each call (open_slots, capture_decode_steps, prefill_slots, decode_slots, move_slots) with its start, seconds,
@@ -175,10 +175,10 @@ def main() -> None:
     parser.add_argument("--device", default=None)
     parser.add_argument("--variants", default="before,serve",
                         help="The batchers timed, in this order, comma-separated: 'serve' (as it is), 'before' (its "
-                             "decode rounds SYNC_EVERY even while a group prefills, and no prefill warm-up when it "
-                             "starts), 'http' (as it is, behind serve's HTTP server in this process, asked over HTTP: "
-                             "requests arrive as real clients send them). GEMM tunings are kept for the process: "
-                             "time 'before' first.")
+                             "decode rounds SYNC_EVERY even while a group prefills, no prefill warm-up when it "
+                             "starts, no new group waiting for more rows), 'http' and 'http-before' (the same behind "
+                             "serve's HTTP server in this process, asked over HTTP: requests arrive as real clients "
+                             "send them). GEMM tunings are kept for the process: time the 'before' ones first.")
     args = parser.parse_args()
     args.out.mkdir(parents=True, exist_ok=True)
     from npuport.kernels.w8a8 import gemm
@@ -188,16 +188,18 @@ def main() -> None:
 
     g = torch.Generator().manual_seed(0)
     prompts = torch.randint(10, 2000, (args.clients, args.prompt_tokens), generator=g).tolist()
-    # variant -> (the batcher's decode rounds rule, whether it warms its prefill up, whether clients ask over HTTP)
-    variants = {"serve": (continuous.decode_rounds, True, False), "before": (sync_every_rounds, False, False),
-                "http": (continuous.decode_rounds, True, True)}
+    # variant -> (the batcher's decode rounds rule, whether it warms its prefill up, the iterations a new group may
+    # wait for more rows, whether clients ask over HTTP)
+    now = (continuous.decode_rounds, True, continuous.GATHER_ITERATIONS)
+    then = (sync_every_rounds, False, 0)
+    variants = {"serve": (*now, False), "before": (*then, False), "http": (*now, True), "http-before": (*then, True)}
     runs_triton = continuous.runs_triton
     for k in [int(x) for x in args.mtp.split(",")]:
         runner = RuntimeCompletions.load(args.model, device=args.device, batch_size=args.clients, mtp=k)
         engine = measure_throughput(runner.model, prompts, args.new_tokens, mtp=k, label=f"mtp {k}", repeats=2)
         trace = CallTrace(runner)
         for variant in args.variants.split(","):
-            continuous.decode_rounds, warm, http = variants[variant]
+            continuous.decode_rounds, warm, continuous.GATHER_ITERATIONS, http = variants[variant]
             continuous.runs_triton = runs_triton if warm else (lambda device: False)
             made = time.perf_counter()
             with batch_of(runner, args.clients, http, args.new_tokens) as ask:
@@ -221,7 +223,8 @@ def main() -> None:
             print(json.dumps(report, indent=1), flush=True)
             (args.out / f"serve_trace-mtp{k}-{variant}.json").write_text(
                 json.dumps({**report, "trace": trace.calls}) + "\n")
-        continuous.decode_rounds, continuous.runs_triton = variants["serve"][0], runs_triton
+        continuous.decode_rounds, _, continuous.GATHER_ITERATIONS = now
+        continuous.runs_triton = runs_triton
         del runner, trace
         if torch.cuda.is_available():
             torch.cuda.empty_cache()

@@ -348,3 +348,48 @@ def test_a_batcher_warms_its_prefill_up_where_triton_kernels_run_and_not_elsewhe
     monkeypatch.setattr(continuous, "runs_triton", lambda device: True)
     ContinuousBatcher(runner64, 4, prefill_tokens=512).close(30)
     assert calls == [warm_up_shapes(512)]
+
+
+def test_a_new_group_waits_a_round_for_rows_arriving_just_after_it_and_prefills_with_them(runner64, monkeypatch):
+    """While rows decode, a request admitted in one iteration and another arriving in the next prefill as one chunk
+    of two rows (clients coming back over HTTP a few milliseconds apart), not as two; both get generate()'s tokens.
+    The worker is held inside a decode call while each request is sent, so that they arrive an iteration apart."""
+    batcher = ContinuousBatcher(runner64, 4, prefill_tokens=64)
+    decode, prefill = runner64.decode_slots, runner64.prefill_slots
+    entered, go, hold = threading.Event(), threading.Semaphore(0), threading.Event()
+    chunk_rows: list[int] = []
+
+    def held_decode(n, rounds):
+        if hold.is_set():
+            entered.set()
+            go.acquire()
+        return decode(n, rounds)
+
+    monkeypatch.setattr(runner64, "decode_slots", held_decode)
+    monkeypatch.setattr(runner64, "prefill_slots", lambda first, chunk, *rest: chunk_rows.append(len(chunk))
+                        or prefill(first, chunk, *rest))
+    short, a, b = prompts(3, 12, 5, 20)
+    decoding = threading.Event()
+    try:
+        long = batcher.submit(Job([TextRequest(short, 40)], SamplingParams(), on_tokens=lambda *_: decoding.set()))
+        assert decoding.wait(60)
+        hold.set()
+        assert entered.wait(60)
+        entered.clear()
+        chunk_rows.clear()
+        first = batcher.submit(Job([TextRequest(a, 6)], SamplingParams()))
+        go.release()  # the next iteration admits `a`; its group waits; the worker is held in the decode after
+        assert entered.wait(60)
+        assert [(len(g.rows), g.started) for g in batcher.groups] == [(1, False)]
+        second = batcher.submit(Job([TextRequest(b, 6)], SamplingParams()))
+        hold.clear()
+        go.release()
+        answers = [long.result(timeout=120)[0], first.result(timeout=120)[0], second.result(timeout=120)[0]]
+    finally:
+        hold.clear()
+        go.release()
+        batcher.close(30)
+    assert chunk_rows == [2]
+    for prompt, answer, new in zip([short, a, b], answers, [40, 6, 6], strict=True):
+        assert answer.result.token_ids == generate(runner64.model, [prompt], new, runner64.options,
+                                                   stop_tokens=runner64.stop_tokens).tokens[0]

@@ -10,10 +10,11 @@
    back and goes in line, to go on later from its tokens (prompt and tokens prefilled again): a request of many
    long rows cannot hold every slot while another waits;
 3. prefill: groups not started yet whose slots are adjacent merge (requests a few milliseconds apart prefill in
-   one batch); chunks of the groups, at most `prefill_tokens` positions in all - the group closest to done first
-   (a short prompt is not held behind a long one), each group at most one chunk; a group that got no chunk goes
-   first next time, so that short prompts arriving without end cannot starve a long one. A row whose prompt is in
-   takes its first token and moves to a decode slot;
+   one batch; while rows decode, a group that has just grown waits up to GATHER_ITERATIONS for more); chunks of
+   the groups, at most `prefill_tokens` positions in all - the group closest to done first (a short prompt is not
+   held behind a long one), each group at most one chunk; a group that got no chunk goes first next time, so that
+   short prompts arriving without end cannot starve a long one. A row whose prompt is in takes its first token and
+   moves to a decode slot;
 4. decode: a few decode steps (MTP rounds with MTP) of every row that decodes - one while a group prefills, else
    at most SYNC_EVERY, fewer when a row needs fewer tokens - then the host looks at their tokens: streams them,
    ends rows at their stop tokens, stop strings or max_tokens, and a row that ended leaves its slot at once.
@@ -56,6 +57,10 @@ from npuport.runtime.text_completions import RuntimeCompletions, TextRequest, Te
 PREFILL_TOKENS_CPU = 1024
 PREFILL_TOKENS_DEVICE = 4096
 
+
+# Iterations (one decode round each) a new group may wait for more arriving rows before its first chunk, while
+# other rows decode (ContinuousBatcher._gathers).
+GATHER_ITERATIONS = 2
 
 # Chunk widths are multiples of this (when at least this): Triton specialises compiled kernels on integer arguments
 # divisible by 16, so a width of 1,365 (4,096 over 3 rows) would compile variants of its own while clients wait.
@@ -139,6 +144,8 @@ class Group:
     width: int
     started: bool = False
     skipped: bool = False  # got no chunk last iteration: goes first in the next
+    grew: bool = True  # rows joined it in this iteration's admission (it is new, or merged with a new one)
+    gathered: int = 0  # iterations it has waited for more rows before its first chunk
 
     @property
     def remaining(self) -> int:
@@ -192,6 +199,7 @@ class ContinuousBatcher(Batcher):
         self.groups: list[Group] = []
         self.slots = Slots(max_rows)
         self.round_tokens = ROUND_TOKENS
+        self.gather_iterations = GATHER_ITERATIONS
         self._seeds = random.Random()
         self._arrived = itertools.count()
         if runs_triton(runner.model.device):  # kernels to compile, GEMM tiles to tune: now, not while clients wait
@@ -332,7 +340,8 @@ class ContinuousBatcher(Batcher):
             if (last is not None and not last.started and not group.started
                     and last.first + len(last.rows) == group.first):
                 rows = last.rows + group.rows
-                merged[-1] = Group(rows, last.first, group_width(self.prefill_tokens, len(rows)))
+                merged[-1] = Group(rows, last.first, group_width(self.prefill_tokens, len(rows)),
+                                   grew=last.grew or group.grew, gathered=max(last.gathered, group.gathered))
             else:
                 merged.append(group)
         self.groups = merged
@@ -342,6 +351,8 @@ class ContinuousBatcher(Batcher):
         self._merge_unstarted()
         budget, ran = self.prefill_tokens, False
         for group in sorted(self.groups, key=lambda g: (not g.skipped, g.remaining)):
+            if self._gathers(group):
+                continue
             if ran and group.positions > budget:
                 group.skipped = True
                 continue
@@ -349,6 +360,18 @@ class ContinuousBatcher(Batcher):
             group.skipped, ran = False, True
             budget -= group.positions
         self._drop_prefilled_groups()
+
+    def _gathers(self, group: Group) -> bool:
+        """Whether a group that has not started waits this iteration for the rows still arriving: while rows
+        decode (the device has their work meanwhile) and the batch has room, a group that grew in this iteration's
+        admission waits - at most gather_iterations, one decode round each - so that requests whose clients come
+        back a few milliseconds apart prefill as one chunk, not as many small ones each costing its launches."""
+        grew, group.grew = group.grew, False
+        if (group.started or not grew or group.gathered >= self.gather_iterations or not self.slots.decoding
+                or self._room() <= 0):
+            return False
+        group.gathered += 1
+        return True
 
     def _prefill_chunk(self, group: Group) -> None:
         chunk = []
