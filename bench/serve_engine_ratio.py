@@ -53,15 +53,27 @@ def serve_command(path: Path, port: int, args, mtp: int) -> list[str]:
     return command + (["--device", args.device] if args.device else [])
 
 
+def client_prompts(clients: int, prompt_tokens: int) -> list[list[int]]:
+    """Each client's prompt: `prompt_tokens` random token ids (seed 0)."""
+    g = torch.Generator().manual_seed(0)
+    return torch.randint(10, 2000, (clients, prompt_tokens), generator=g).tolist()
+
+
+def completion_tokens(url: str, prompt: list[int], new_tokens: int) -> int:
+    """One client request to serve's /v1/completions (greedy, `new_tokens` whatever EOS says): the completion tokens
+    it got."""
+    body = {"prompt": [prompt], "max_tokens": new_tokens, "temperature": 0, "ignore_eos": True}
+    return post_json(url + "/v1/completions", body)["usage"]["completion_tokens"]
+
+
 def serve_throughput(command: list[str], port: int, log: Path, prompts: list[list[int]], new_tokens: int,
                      per_client: int) -> dict:
     with serving(command, port, log) as url:
         def client(prompt: list[int], requests: int) -> tuple[int, float]:
             made, waited = 0, 0.0
             for _ in range(requests):
-                body = {"prompt": [prompt], "max_tokens": new_tokens, "temperature": 0, "ignore_eos": True}
                 sent = time.perf_counter()
-                made += post_json(url + "/v1/completions", body)["usage"]["completion_tokens"]
+                made += completion_tokens(url, prompt, new_tokens)
                 waited += time.perf_counter() - sent
             return made, waited
 
@@ -117,8 +129,7 @@ def main() -> None:
     from npuport.runtime.validation.throughput import measure_throughput
 
     path = artifact(args)
-    g = torch.Generator().manual_seed(0)
-    prompts = torch.randint(10, 2000, (args.clients, args.prompt_tokens), generator=g).tolist()
+    prompts = client_prompts(args.clients, args.prompt_tokens)
     summary: dict = {"like": args.like, "layers": args.layers, "clients": args.clients,
                      "prompt_tokens": args.prompt_tokens, "new_tokens": args.new_tokens,
                      "device": torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu", "runs": []}

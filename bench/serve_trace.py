@@ -37,7 +37,7 @@ import torch  # noqa: E402
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from bench.engines.engine_servers import post_json  # noqa: E402
+from bench.serve_engine_ratio import client_prompts, completion_tokens  # noqa: E402
 from npuport.runtime.serving.limits import DEFAULT_LIMITS  # noqa: E402
 
 TRACED = ("open_slots", "capture_decode_steps", "prefill_slots", "decode_slots", "move_slots")
@@ -119,10 +119,7 @@ def in_process(batcher, new_tokens: int) -> Callable[[list[int]], int]:
 
 def over_http(url: str, new_tokens: int) -> Callable[[list[int]], int]:
     """A client's request to serve's /v1/completions: the completion tokens it got."""
-    def ask(prompt: list[int]) -> int:
-        body = {"prompt": [prompt], "max_tokens": new_tokens, "temperature": 0, "ignore_eos": True}
-        return post_json(url + "/v1/completions", body)["usage"]["completion_tokens"]
-    return ask
+    return lambda prompt: completion_tokens(url, prompt, new_tokens)
 
 
 def run_clients(ask: Callable[[list[int]], int], prompts: list[list[int]], per_client: int) -> int:
@@ -186,8 +183,7 @@ def main() -> None:
     from npuport.runtime.text_completions import RuntimeCompletions
     from npuport.runtime.validation.throughput import measure_throughput
 
-    g = torch.Generator().manual_seed(0)
-    prompts = torch.randint(10, 2000, (args.clients, args.prompt_tokens), generator=g).tolist()
+    prompts = client_prompts(args.clients, args.prompt_tokens)
     # variant -> (the batcher's decode rounds rule, whether it warms its prefill up, the iterations a new group may
     # wait for more rows, whether clients ask over HTTP)
     now = (continuous.decode_rounds, True, continuous.GATHER_ITERATIONS)

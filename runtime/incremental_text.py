@@ -66,3 +66,7 @@ class StopStrings:
         if self.after is None and len(tokens) >= self.min_tokens:
             self.after = len(self.decode(tokens[:self.min_tokens]))
         return text, stop_at(text, self.stop, len(text) if self.after is None else self.after)
+
+    def found(self, tokens: Sequence[int]) -> bool:
+        """Whether a stop string that counts is in decode(tokens) (without stop strings, nothing is decoded)."""
+        return bool(self.stop) and self.search(tokens)[1] is not None

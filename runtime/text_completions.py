@@ -200,7 +200,7 @@ class RuntimeCompletions:
             every = [*request.generated, *tokens]
             if row in special and stop_token_end(every, own[row], request.min_tokens) is not None:
                 return True
-            if request.stop and searches[row].search(every)[1] is not None:
+            if searches[row].found(every):
                 return True
             if interrupted is not None and interrupted(row, len(tokens)):
                 stopped.add(row)

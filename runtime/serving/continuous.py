@@ -79,15 +79,15 @@ def group_width(budget: int, rows: int) -> int:
 
 
 def warm_up_shapes(budget: int) -> list[tuple[int, int]]:
-    """The (rows, width) prefill chunks run when a batcher with graphs starts (slots.warm_up_prefill), so that no
-    chunk of `budget` positions at most, of any rows and width the batcher forms, meets a kernel to compile or a GEMM
-    to tune while clients wait: Triton specialises an integer argument by whether it is 1 and whether 16 divides
-    it (so rows 1, 2 and 16 stand for every count of rows), and the int8 GEMMs tune per power of two of their rows
-    (rows x width here): for each, widths of every power of two of WIDTH_STEP and up that fits, and the widest
-    multiple of WIDTH_STEP that does."""
+    """The (rows, width) prefill chunks run when a batcher starts where Triton kernels run (slots.warm_up_prefill),
+    so that no chunk of `budget` positions at most, of any rows and width the batcher forms, meets a kernel to
+    compile or a GEMM to tune while clients wait: Triton specialises an integer argument by whether it is 1 and
+    whether 16 divides it (so rows 1, 2 and 16 stand for every count of rows), and the int8 GEMMs tune per power of
+    two of their rows (rows x width here): for each, widths of every power of two of WIDTH_STEP and up that fits,
+    and the widest multiple of WIDTH_STEP that does."""
     shapes = []
     for rows in (1, 2, 16):
-        widest = budget // rows - budget // rows % WIDTH_STEP
+        widest = group_width(budget, rows)
         if widest < WIDTH_STEP:
             continue
         widths = {widest} | {WIDTH_STEP << i for i in range(widest.bit_length()) if WIDTH_STEP << i <= widest}
@@ -445,12 +445,9 @@ class ContinuousBatcher(Batcher):
         if row.job.on_tokens is not None and keep > row.streamed:
             row.job.on_tokens(row.index, row.tokens[row.streamed:keep])
             row.streamed = keep
-        if keep < len(row.tokens) or keep >= request.max_tokens or self._holds_stop_string(row):
+        if keep < len(row.tokens) or keep >= request.max_tokens or row.stops.found(row.tokens):
             del row.tokens[keep:]
             self._end(row)
-
-    def _holds_stop_string(self, row: Row) -> bool:
-        return bool(row.request.stop) and row.stops.search(row.tokens)[1] is not None
 
     def _end(self, row: Row, cancelled: bool = False) -> None:
         """Row's result is in; its job is answered once every row's is."""
