@@ -32,9 +32,9 @@ from __future__ import annotations
 import argparse
 import contextlib
 import copy
-import functools
 import importlib.util
 import json
+import os
 import time
 from dataclasses import replace
 from pathlib import Path
@@ -74,6 +74,7 @@ ROUNDS = 5
 # How the bench's W4A8 weights get their scales, as the results label them.
 INT4_SCALES = ("min-max int4 scales (max |w| / 7 per channel): not msModelSlim's ssz scales, for speed only; decode "
                "time does not depend on scale values")
+CONVERT_WORKERS = min(8, os.cpu_count() or 1)  # shards the end-to-end artifacts are written with at once
 
 
 def transformers_config(like: str):
@@ -323,7 +324,7 @@ def end_to_end(args, copy_bps: float, save) -> dict:
         with contextlib.nullcontext() if args.e2e_ssz or not int4 else start_scales_only():
             artifacts[label] = convert_qwen35(source, args.e2e / (recipe or "artifact"), show_progress=False,
                                               recipe_path=recipe_path_for(recipe) if recipe else None,
-                                              log=lambda m: None, workers=4).out
+                                              log=lambda m: None, workers=CONVERT_WORKERS).out
         out.setdefault("convert_s", {})[label] = time.perf_counter() - start
     gen = torch.Generator().manual_seed(0)
     batches = [int(b) for b in args.batches.split(",")]
@@ -394,7 +395,11 @@ def start_scales_only():
     import npuport.convert.w4a8 as w4a8
 
     search = w4a8.ssz_scale
-    w4a8.ssz_scale = functools.partial(search, iterations=0)
+
+    def start_scale(weight: torch.Tensor, **options) -> torch.Tensor:
+        return search(weight, **{**options, "iterations": 0})  # over the recipe's rounds, which callers pass
+
+    w4a8.ssz_scale = start_scale
     try:
         yield
     finally:

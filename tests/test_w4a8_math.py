@@ -229,3 +229,17 @@ def test_pack_unpack_round_trip_and_byte_layout():
     np.testing.assert_array_equal(packed.numpy(), expected)
     every = torch.arange(-128, 128, dtype=torch.int16).to(torch.int8)[None, :]  # every byte value
     assert torch.equal(pack_int4(unpack_int4(every)), every)
+
+
+def test_the_benchs_start_scales_skip_the_search_even_where_the_recipe_asks_for_its_rounds():
+    """bench/moe.py times W4A8 artifacts converted with msModelSlim's start scales alone (max |W| / 7 per channel, in
+    BF16): the converter passes the recipe's rounds to the search, and they must not bring it back."""
+    from bench.moe import start_scales_only
+
+    weight = (torch.randn(64, 256, generator=torch.Generator().manual_seed(3)) * 0.02).bfloat16()
+    start = (weight.float().abs().amax(dim=1) / 7).bfloat16().float()
+    with start_scales_only():
+        _, scale, _, _ = w4a8_dynamic(weight, 1, iterations=50)
+    assert torch.equal(scale[:, 0], start)
+    _, searched, _, _ = w4a8_dynamic(weight, 1, iterations=50)
+    assert not torch.equal(searched[:, 0], start)  # the search moves scales: the check above can fail
