@@ -16,7 +16,8 @@ accelerator. For each MTP setting, one runtime:
   drives the model: on a CPU that cost a third of the throughput.) Also from serve's /metrics: the device graphs
   captured during the warm-up burst and during the timed ones, and the seconds the latter took; the mean seconds
   of a timed request as its client saw it and as the server measured it (from the request read whole to its
-  answer): what lies between is HTTP and the clients.
+  answer): what lies between is HTTP and the clients; and what the batch did during the timed bursts: kernel
+  tunings, prefill calls and their mean tokens, decode rounds and their mean rows.
 Prints and writes (DIR/serve_engine_ratio.json) every figure and the ratios serve / engine.
 """
 
@@ -92,11 +93,26 @@ def serve_throughput(command: list[str], port: int, log: Path, prompts: list[lis
             "graph_capture_seconds_timed": timed["graph_capture_seconds_total"] - warm["graph_capture_seconds_total"],
             "client_request_s_mean": sum(waited for _, waited in answers) / (len(prompts) * per_client),
             "server_request_s_mean": (timed["e2e_request_latency_seconds_sum"]
-                                      - warm["e2e_request_latency_seconds_sum"]) / requests}
+                                      - warm["e2e_request_latency_seconds_sum"]) / requests,
+            **batch_shape(warm, timed)}
+
+
+def batch_shape(warm: dict[str, float], timed: dict[str, float]) -> dict:
+    """What serve's batch did between the two readings of its /metrics: kernel tunings, prefill calls and their
+    mean tokens, decode rounds and their mean rows."""
+    def grew(name: str) -> float:
+        return timed[name] - warm[name]
+
+    chunks, rounds = grew("prefill_chunk_tokens_count"), grew("decode_round_rows_count")
+    return {"kernel_tunings_timed": grew("kernel_tunings_total"), "prefill_calls_timed": chunks,
+            "prefill_tokens_mean": grew("prefill_chunk_tokens_sum") / chunks if chunks else None,
+            "decode_rounds_timed": rounds,
+            "decode_rows_mean": grew("decode_round_rows_sum") / rounds if rounds else None}
 
 
 COUNTERS = ("graph_captures_total", "graph_capture_seconds_total", "e2e_request_latency_seconds_sum",
-            "e2e_request_latency_seconds_count")
+            "e2e_request_latency_seconds_count", "kernel_tunings_total", "prefill_chunk_tokens_sum",
+            "prefill_chunk_tokens_count", "decode_round_rows_sum", "decode_round_rows_count")
 
 
 def served_counters(url: str) -> dict[str, float]:

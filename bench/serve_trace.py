@@ -73,7 +73,7 @@ class CallTrace:
 
     def _timed(self, name: str, call):
         def timed(*args, **kwargs):
-            kernels, captures, start = compiled_kernels(), self.captures.graphs, time.perf_counter()
+            kernels, captures, start = compiled_kernels(), self.captures.count, time.perf_counter()
             result = call(*args, **kwargs)
             if torch.cuda.is_available():
                 torch.cuda.synchronize()
@@ -81,7 +81,7 @@ class CallTrace:
             if self.recording:
                 self.calls.append({"call": name, "start": start - self.origin, "seconds": seconds,
                                    "compiled": compiled_kernels() - kernels,
-                                   "captured": self.captures.graphs - captures, **call_arguments(name, args)})
+                                   "captured": self.captures.count - captures, **call_arguments(name, args)})
             return result
         return timed
 
@@ -202,7 +202,7 @@ def main() -> None:
                 warm_up_s = time.perf_counter() - made
                 run_clients(ask, prompts, 1)
                 trace.calls, trace.recording = [], True
-                warm_captures, warm_kernels, warm_tuned = trace.captures.graphs, compiled_kernels(), len(gemm._tuned)
+                warm_captures, warm_kernels, warm_tuned = trace.captures.count, compiled_kernels(), gemm.TUNINGS.count
                 start = time.perf_counter()
                 tokens = run_clients(ask, prompts, args.requests_per_client)
                 wall = time.perf_counter() - start
@@ -212,9 +212,9 @@ def main() -> None:
                       "engine_output_tokens_per_s": engine.output_tokens_per_s,
                       "serve_output_tokens_per_s": tokens / wall,
                       "serve_vs_engine": tokens / wall / engine.output_tokens_per_s,
-                      "captures_timed": trace.captures.graphs - warm_captures,
+                      "captures_timed": trace.captures.count - warm_captures,
                       "kernels_compiled_timed": compiled_kernels() - warm_kernels,
-                      "gemm_tunings_timed": len(gemm._tuned) - warm_tuned,
+                      "gemm_tunings_timed": gemm.TUNINGS.count - warm_tuned,
                       **summary(trace.calls, wall)}
             print(json.dumps(report, indent=1), flush=True)
             (args.out / f"serve_trace-mtp{k}-{variant}.json").write_text(

@@ -6,7 +6,9 @@ import contextlib
 import functools
 import gc
 import importlib
+import threading
 import weakref
+from dataclasses import dataclass, field
 from types import ModuleType
 
 import torch
@@ -279,3 +281,18 @@ def timed_graph(fn, device: torch.device, calls: int):
         return start.elapsed_time(end) / calls
 
     return replay_ms
+
+
+@dataclass
+class PauseCount:
+    """One kind of one-off device work this process has done - graphs captured, GEMM tiles tuned - and the host
+    seconds it took: done while clients wait, it is time they lose, so `serve` shows both in /metrics."""
+
+    count: int = 0
+    seconds: float = 0.0
+    lock: threading.Lock = field(default_factory=threading.Lock, repr=False)
+
+    def add(self, seconds: float) -> None:
+        with self.lock:
+            self.count += 1
+            self.seconds += seconds

@@ -12,11 +12,10 @@ import functools
 import threading
 import time
 from collections.abc import Callable, Iterator, Sequence
-from dataclasses import dataclass, field
 
 import torch
 
-from npuport.devices import DeviceGraph, graphs_supported
+from npuport.devices import DeviceGraph, PauseCount, graphs_supported
 from npuport.kernels.gated_delta_rule import VerifyLog
 from npuport.runtime.model import Qwen35
 from npuport.runtime.prefill import (
@@ -47,22 +46,7 @@ def scratch_copy(state: ModelState) -> ModelState:
     return ModelState(state.positions.clone(), layers, state.capacity)
 
 
-@dataclass
-class CaptureCount:
-    """The graphs this process has captured and the host seconds their captures took (warm-up run included): a
-    capture made while clients wait is time they lose, so `serve` shows both in /metrics."""
-
-    graphs: int = 0
-    seconds: float = 0.0
-    lock: threading.Lock = field(default_factory=threading.Lock, repr=False)
-
-    def add(self, seconds: float) -> None:
-        with self.lock:
-            self.graphs += 1
-            self.seconds += seconds
-
-
-CAPTURES = CaptureCount()
+CAPTURES = PauseCount()  # the device graphs captured (the warm-up run included)
 
 
 class CapturedStep:

@@ -15,6 +15,7 @@ from concurrent.futures import ThreadPoolExecutor
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
+from npuport.kernels.w8a8.gemm import TUNINGS
 from npuport.runtime.graphs import CAPTURES
 from npuport.runtime.serving.metrics import CONTENT_TYPE
 from npuport.runtime.serving.serve import make_server
@@ -139,13 +140,45 @@ def test_the_startup_line_says_where_the_metrics_are(tiny_artifacts):
         process.wait(START_TIMEOUT_S)
 
 
-def test_graph_captures_and_their_seconds_are_counted(runner):
-    """The counters read the one CaptureCount every CapturedStep adds to (no graphs on a CPU: added here)."""
+@pytest.mark.parametrize(("count", "name"), [(CAPTURES, "graph_capture"), (TUNINGS, "kernel_tuning")])
+def test_graph_captures_and_kernel_tunings_and_their_seconds_are_counted(runner, count, name):
+    """The counters read the one PauseCount every CapturedStep (or GEMM tuning) adds to (neither happens on a CPU:
+    added here)."""
     with running(make_server(runner, "tiny")) as url:
         before = scrape(url)
-        CAPTURES.add(1.25)
-        CAPTURES.add(0.5)
+        count.add(1.25)
+        count.add(0.5)
         after = scrape(url)
-    assert after["npuport:graph_captures_total"] - before["npuport:graph_captures_total"] == 2
-    assert after["npuport:graph_capture_seconds_total"] - before["npuport:graph_capture_seconds_total"] == \
-        pytest.approx(1.75)
+    assert after[f"npuport:{name}s_total"] - before[f"npuport:{name}s_total"] == 2
+    assert after[f"npuport:{name}_seconds_total"] - before[f"npuport:{name}_seconds_total"] == pytest.approx(1.75)
+
+
+def test_prefill_chunks_and_decode_rounds_are_counted_as_decoding_one_token_a_round_implies(runner):
+    """A lone request of P prompt tokens making N tokens (ignore_eos) prefills once, P tokens, and decodes N - 1
+    rounds of one row (its first token comes from the prefill); one of n = 2 prefills its two rows together and
+    decodes N - 1 rounds of two rows."""
+    new = 6
+    with running(make_server(runner, "tiny")) as url:
+        before = scrape(url)
+        status, alone = post(url, {"prompt": PROMPT, "max_tokens": new, "temperature": 0, "ignore_eos": True})
+        assert status == 200, alone
+        lone = scrape(url)
+        status, pair = post(url, {"prompt": PROMPT, "max_tokens": new, "temperature": 0, "ignore_eos": True, "n": 2})
+        assert status == 200, pair
+        after = scrape(url)
+    p = alone["usage"]["prompt_tokens"]
+    assert alone["usage"]["completion_tokens"] == new
+
+    def grew(name: str, since: dict, now: dict) -> float:
+        return now[f"npuport:{name}"] - since.get(f"npuport:{name}", 0)
+
+    assert grew("prefill_chunk_tokens_count", before, lone) == 1
+    assert grew("prefill_chunk_tokens_sum", before, lone) == p
+    assert grew("decode_round_rows_count", before, lone) == new - 1
+    assert grew("decode_round_rows_sum", before, lone) == new - 1
+    assert grew("decode_round_rows_bucket[1]", before, lone) == new - 1
+    assert grew("prefill_chunk_tokens_count", lone, after) == 1
+    assert grew("prefill_chunk_tokens_sum", lone, after) == 2 * p
+    assert grew("decode_round_rows_count", lone, after) == new - 1
+    assert grew("decode_round_rows_sum", lone, after) == 2 * (new - 1)
+    assert grew("decode_round_rows_bucket[1]", lone, after) == 0

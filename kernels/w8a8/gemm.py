@@ -3,11 +3,12 @@ int32 workspace and a summing kernel), its candidate tiles, their tuning, and th
 
 from __future__ import annotations
 
+import time
 from dataclasses import dataclass
 
 import torch
 
-from npuport.devices import timed_graph, with_index
+from npuport.devices import PauseCount, timed_graph, with_index
 from npuport.kernels.implementations import NATIVE, TRITON, runnable
 from npuport.kernels.launch import (
     L2_LINE_BYTES,
@@ -223,6 +224,7 @@ def gemm_config(m: int, n: int, k: int, device: torch.device) -> GemmConfig:
 _tuned: dict[tuple, GemmConfig] = {}
 # What the tuning measured, per key of _tuned: (candidate, its best time in ms), for benchmarks to report.
 tuning_times: dict[tuple, list[tuple[GemmConfig, float]]] = {}
+TUNINGS = PauseCount()  # the shapes tuned in this process and the seconds their tuning took (serve's /metrics)
 
 
 def tuning_key(m: int, n: int, k: int, device: torch.device) -> tuple:
@@ -274,6 +276,7 @@ def _tune(x_q, x_scale, w_q, w_scale, out) -> GemmConfig:
     m, k = x_q.shape
     key = tuning_key(m, w_q.shape[0], k, x_q.device)
     if key not in _tuned:
+        start = time.perf_counter()
         cands = gemm_candidates(m, x_q.device)
         times = [float("inf")] * len(cands)
         if len(cands) > 1:
@@ -284,6 +287,7 @@ def _tune(x_q, x_scale, w_q, w_scale, out) -> GemmConfig:
                     times[i] = min(times[i], replay_ms())
         _tuned[key] = cands[times.index(min(times))]
         tuning_times[key] = list(zip(cands, times, strict=True))
+        TUNINGS.add(time.perf_counter() - start)
     return _tuned[key]
 
 

@@ -41,6 +41,7 @@ import random
 from collections import deque
 from collections.abc import Sequence
 from dataclasses import dataclass, field
+from typing import Protocol
 
 from npuport.devices import graphs_supported, runs_triton
 from npuport.runtime.completion import CANCELLED, Completion, stop_token_end
@@ -184,12 +185,24 @@ class Slots:
         self.staging_free[first - self.rows:first - self.rows + count] = [free] * count
 
 
+class StepObserver(Protocol):
+    """Hears of the batch's model calls (serve's /metrics): each prefill call's prompt tokens, and each decode
+    call's rows and rounds."""
+
+    def prefilled(self, tokens: int) -> None: ...
+
+    def decoded(self, rows: int, rounds: int) -> None: ...
+
+
 class ContinuousBatcher(Batcher):
     """The worker and its iterations (see the module's docstring) over `runner`'s model: at most `max_rows` rows
-    in the batch (prefilling or decoding), at most `prefill_tokens` prompt positions prefilled per iteration."""
+    in the batch (prefilling or decoding), at most `prefill_tokens` prompt positions prefilled per iteration;
+    `steps` hears of each prefill and decode call."""
 
-    def __init__(self, runner: RuntimeCompletions, max_rows: int, prefill_tokens: int | None = None) -> None:
+    def __init__(self, runner: RuntimeCompletions, max_rows: int, prefill_tokens: int | None = None,
+                 steps: StepObserver | None = None) -> None:
         super().__init__(runner)
+        self.steps = steps
         self.max_rows = max_rows
         self.prefill_tokens = prefill_tokens or default_prefill_tokens(runner)
         k = runner.options.mtp
@@ -386,6 +399,8 @@ class ContinuousBatcher(Batcher):
         group.started = True
         width = chunk_width(group.width, max(len(part.tokens) for part in chunk))
         firsts = self.runner.prefill_slots(group.first, chunk, width, samplers)
+        if self.steps is not None:
+            self.steps.prefilled(sum(len(part.tokens) for part in chunk))
         moving = []
         for i, (row, first) in enumerate(zip(group.rows, firsts, strict=True)):
             if first is None or row.ended:
@@ -416,6 +431,8 @@ class ContinuousBatcher(Batcher):
         if not decoding:
             return
         rounds = decode_rounds([row.left for row in decoding], prefilling=bool(self.groups))
+        if self.steps is not None:
+            self.steps.decoded(len(decoding), rounds)
         for result in self.runner.decode_slots(len(decoding), rounds):
             for row, new in zip(decoding, result.tokens, strict=True):
                 if not row.ended:

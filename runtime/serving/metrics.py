@@ -11,7 +11,13 @@ served model's name:
   having arrived whole to its answer's end, and to its first token;
 - `npuport:graph_captures_total`, `npuport:graph_capture_seconds_total` (counters): the device graphs captured
   since the server started (a decode batch size or MTP round met for the first time) and the seconds their
-  captures took, the model's steps waiting meanwhile.
+  captures took, the model's steps waiting meanwhile; `npuport:kernel_tunings_total`,
+  `npuport:kernel_tuning_seconds_total` (counters): the same for the int8 GEMM's tile tunings (a shape class met
+  for the first time);
+- `npuport:prefill_chunk_tokens`, `npuport:decode_round_rows` (histograms): the prompt tokens of each prefill call
+  of the continuous batch and the rows of each of its decode rounds (an MTP round with MTP) - how well requests
+  batch: `_sum / _count` of the second is the mean rows a round. They stay empty with `--batch-invariant`, which
+  runs each request alone.
 
 Written by hand rather than with the prometheus_client library: the format is a few lines of text, and the server
 adds no dependency to every install for it (the tests read it with that library's parser)."""
@@ -23,12 +29,16 @@ import threading
 import time
 from collections.abc import Sequence
 
+from npuport.devices import PauseCount
+from npuport.kernels.w8a8.gemm import TUNINGS
 from npuport.runtime.graphs import CAPTURES
 
 CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
 PREFIX = "npuport:"
 TTFT_BUCKETS_S = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0)
 LATENCY_BUCKETS_S = (0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0, 300.0, 600.0, 1800.0)
+PREFILL_CHUNK_BUCKETS = (16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192, 16384)
+DECODE_ROWS_BUCKETS = (1, 2, 4, 8, 16, 24, 32, 48, 64, 128, 256)
 
 
 def label_value(text: str) -> str:
@@ -50,9 +60,9 @@ class Histogram:
         self.counts = [0] * (len(self.bounds) + 1)  # per bucket, not cumulative; the last is +Inf
         self.sum = 0.0
 
-    def observe(self, value: float) -> None:
-        self.sum += value
-        self.counts[next((i for i, b in enumerate(self.bounds) if value <= b), len(self.bounds))] += 1
+    def observe(self, value: float, times: int = 1) -> None:
+        self.sum += value * times
+        self.counts[next((i for i, b in enumerate(self.bounds) if value <= b), len(self.bounds))] += times
 
     def lines(self, name: str, labels: str) -> list[str]:
         out, total = [], 0
@@ -107,6 +117,16 @@ class ServeMetrics:
         self.running = self.waiting = 0
         self.prompt_tokens = self.generation_tokens = self.successes = 0
         self.ttft, self.latency = Histogram(TTFT_BUCKETS_S), Histogram(LATENCY_BUCKETS_S)
+        self.chunk_tokens, self.round_rows = Histogram(PREFILL_CHUNK_BUCKETS), Histogram(DECODE_ROWS_BUCKETS)
+
+    # the continuous batcher's steps (its StepObserver)
+    def prefilled(self, tokens: int) -> None:
+        with self.lock:
+            self.chunk_tokens.observe(tokens)
+
+    def decoded(self, rows: int, rounds: int) -> None:
+        with self.lock:
+            self.round_rows.observe(rows, rounds)
 
     def submitted(self, arrived: float) -> Request:
         """A request handed to the model (it waits until its first token), which arrived whole at `arrived`
@@ -134,15 +154,23 @@ class ServeMetrics:
                  "end.", self.latency.lines(f"{PREFIX}e2e_request_latency_seconds", labels)),
                 ("time_to_first_token_seconds", "histogram", "Seconds from a request arriving whole to its first "
                  "token.", self.ttft.lines(f"{PREFIX}time_to_first_token_seconds", labels)),
+                ("prefill_chunk_tokens", "histogram", "Prompt tokens of each prefill call of the batch.",
+                 self.chunk_tokens.lines(f"{PREFIX}prefill_chunk_tokens", labels)),
+                ("decode_round_rows", "histogram", "Rows of each decode round of the batch (an MTP round with MTP).",
+                 self.round_rows.lines(f"{PREFIX}decode_round_rows", labels)),
             ]
-        with CAPTURES.lock:
-            families += [
-                ("graph_captures_total", "counter", "Device graphs captured (the model's steps wait meanwhile).",
-                 [f"{PREFIX}graph_captures_total{{{labels}}} {CAPTURES.graphs}"]),
-                ("graph_capture_seconds_total", "counter", "Seconds the device graphs' captures took.",
-                 [f"{PREFIX}graph_capture_seconds_total{{{labels}}} {number(CAPTURES.seconds)}"]),
-            ]
+        families += pauses("graph_capture", "Device graphs captured", CAPTURES, labels)
+        families += pauses("kernel_tuning", "int8 GEMM shape classes whose tiles were tuned", TUNINGS, labels)
         lines = []
         for name, kind, help_text, samples in families:
             lines += [f"# HELP {PREFIX}{name} {help_text}", f"# TYPE {PREFIX}{name} {kind}", *samples]
         return "\n".join(lines) + "\n"
+
+
+def pauses(name: str, what: str, count: PauseCount, labels: str) -> list[tuple[str, str, str, list[str]]]:
+    """The two counter families of one kind of one-off work: how many were done, and their seconds."""
+    with count.lock:
+        return [(f"{name}s_total", "counter", f"{what} (the model's steps wait meanwhile).",
+                 [f"{PREFIX}{name}s_total{{{labels}}} {count.count}"]),
+                (f"{name}_seconds_total", "counter", f"Seconds they took: {what[0].lower()}{what[1:]}.",
+                 [f"{PREFIX}{name}_seconds_total{{{labels}}} {number(count.seconds)}"])]

@@ -118,9 +118,9 @@ class OpenAIService:
             raise NpuportError(f"the most bytes of a text prompt must be positive, got {max_prompt_bytes}")
         self.runner, self.served_model, self.max_prompt_bytes = runner, served_model, max_prompt_bytes
         self.aliases = tuple(a for a in aliases if a != served_model)
-        self.batcher = (RequestBatcher(runner, max_rows, invariant=True) if invariant
-                        else ContinuousBatcher(runner, max_rows, prefill_tokens))
         self.metrics = ServeMetrics(served_model)
+        self.batcher = (RequestBatcher(runner, max_rows, invariant=True) if invariant
+                        else ContinuousBatcher(runner, max_rows, prefill_tokens, steps=self.metrics))
 
     def close(self) -> None:
         self.batcher.close()
