@@ -176,6 +176,9 @@ def main() -> None:
                              "starts, no new group waiting for more rows), 'http' and 'http-before' (the same behind "
                              "serve's HTTP server in this process, asked over HTTP: requests arrive as real clients "
                              "send them). GEMM tunings are kept for the process: time the 'before' ones first.")
+    parser.add_argument("--gather-iterations", type=int, default=None,
+                        help="The iterations a new group may wait for more rows in the 'serve' and 'http' variants "
+                             "(default: the batcher's GATHER_ITERATIONS).")
     args = parser.parse_args()
     args.out.mkdir(parents=True, exist_ok=True)
     from npuport.kernels.w8a8 import gemm
@@ -187,8 +190,10 @@ def main() -> None:
     # variant -> (the batcher's decode rounds rule, whether it warms its prefill up, the iterations a new group may
     # wait for more rows, whether clients ask over HTTP)
     now = (continuous.decode_rounds, True, continuous.GATHER_ITERATIONS)
+    gather = continuous.GATHER_ITERATIONS if args.gather_iterations is None else args.gather_iterations
     then = (sync_every_rounds, False, 0)
-    variants = {"serve": (*now, False), "before": (*then, False), "http": (*now, True), "http-before": (*then, True)}
+    variants = {"serve": (*now[:2], gather, False), "before": (*then, False), "http": (*now[:2], gather, True),
+                "http-before": (*then, True)}
     runs_triton = continuous.runs_triton
     for k in [int(x) for x in args.mtp.split(",")]:
         runner = RuntimeCompletions.load(args.model, device=args.device, batch_size=args.clients, mtp=k)
@@ -207,7 +212,8 @@ def main() -> None:
                 tokens = run_clients(ask, prompts, args.requests_per_client)
                 wall = time.perf_counter() - start
                 trace.recording = False
-            report = {"mtp": k, "variant": variant, "batcher_start_s": warm_up_s,
+            report = {"mtp": k, "variant": variant, "gather_iterations": continuous.GATHER_ITERATIONS,
+                      "batcher_start_s": warm_up_s,
                       "device": torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu",
                       "engine_output_tokens_per_s": engine.output_tokens_per_s,
                       "serve_output_tokens_per_s": tokens / wall,
