@@ -207,3 +207,29 @@ def test_validate_sends_the_api_key_that_a_protected_serve_asks_for(runner, tiny
             report = json.loads((tmp_path / folder / "report.json").read_text())
             assert report["gsm8k"][0]["candidate"]["num_questions"] == 2
             assert [f["failed"] for f in report["failed_questions"]] == [0]
+
+
+def test_serve_starts_serving_with_its_startup_heap_frozen_out_of_the_collectors_reach(tiny_artifacts, monkeypatch):
+    """Once `serve_model` has loaded the model and made its server, the model is in the collector's permanent
+    generation (gc.get_objects lists the tracked objects of the generations a collection walks, not frozen ones)
+    before the first request can arrive."""
+    import gc
+
+    from npuport.runtime.serving import serve
+
+    seen = {}
+
+    def serve_forever(server, *args, **kwargs):
+        model = server.service.runner.model
+        seen["frozen"] = gc.get_freeze_count()
+        seen["walked"] = any(obj is model for obj in gc.get_objects())
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(serve.CompletionsServer, "serve_forever", serve_forever)
+    try:
+        serve.serve_model(tiny_artifacts[KIND], device="cpu", dtype="float32", announce=lambda line: None,
+                          warn=lambda line: None)
+    finally:
+        gc.unfreeze()
+    assert seen["frozen"] > 0
+    assert seen["walked"] is False

@@ -33,6 +33,7 @@ to finish, cancels those still running (their rows end at their next stop check)
 
 from __future__ import annotations
 
+import gc
 import ipaddress
 import socket
 import sys
@@ -253,6 +254,17 @@ def served_names(path: Path | str, served_model: str | None) -> tuple[str, tuple
     return name, aliases
 
 
+def freeze_startup_heap() -> None:
+    """Move everything alive once the server has started - the model and its modules, kernels, graphs, tokenizer -
+    to the collector's permanent generation, after one last collection: a full collection then walks only what
+    was allocated since. Python's full collections stop every thread, the model's worker included, for a time that
+    grows with the objects they walk, and the requests a server parses and answers make them run now and then
+    (as vLLM's and sglang's servers do, after their warm-up). The frozen objects are never collected: the server
+    holds them for its life anyway."""
+    gc.collect()
+    gc.freeze()
+
+
 def serve_model(path: Path | str, *, host: str = DEFAULT_HOST, port: int = 0, served_model: str | None = None,
                 device: str | None = None, dtype: str = "bfloat16", mtp: int = 0, dispatch: str | None = None,
                 max_batch_size: int = 16, batch_invariant: bool | None = None, prefill_tokens: int | None = None,
@@ -269,6 +281,7 @@ def serve_model(path: Path | str, *, host: str = DEFAULT_HOST, port: int = 0, se
     name, aliases = served_names(path, served_model)
     server = make_server(runner, name, host, port, log, limits=limits, api_key=api_key, report=warn,
                          aliases=aliases, invariant=bool(batch_invariant), prefill_tokens=prefill_tokens)
+    freeze_startup_heap()
     warning = exposure_warning(server.server_address[0], key_required=api_key is not None)
     if warning is not None:
         warn(warning)
