@@ -137,7 +137,7 @@ def int4_worker(rank: int, port: int) -> None:
         assert local.int4 and not local_int8.int4
         for path, tokens, int8, counted in INT4_CASES:
             limit = 0 if path == GROUPED else 10**6
-            patch.setattr(plan_module, "INT4_MATVEC_MAX_PAIRS", limit)
+            patch.setattr(plan_module, "INT4_MATVEC_PAIRS_PER_EXPERT", limit)
             patch.setattr(plan_module, "MATVEC_MAX_PAIRS", limit)
             x, weights, ids = rank_tokens(rank, tokens[rank])
             known = [tokens[0], tokens[1]] if counted else None

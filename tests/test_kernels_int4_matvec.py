@@ -240,3 +240,20 @@ def test_a_w4a8_artifact_decodes_the_same_tokens_from_packed_int4_experts(w4a8_a
     tokens = generate(packed, PROMPTS, MAX_NEW).tokens
     assert tokens == cpu_tokens
     assert generate(packed, PROMPTS, MAX_NEW, mtp=1).tokens == tokens
+
+
+@pytest.mark.parametrize("experts", [4, 16])
+def test_int4_experts_take_the_matvec_kernels_up_to_pairs_in_proportion_to_their_number(experts):
+    """The grouped GEMMs unpack every int4 expert whatever the tokens, so the matvec kernels serve up to 4 routed
+    pairs an expert (a 397B-A17B layer's 512 experts: batch 32 at top 10 is 320 pairs, matvec), the grouped GEMMs
+    beyond; int8 experts of the same shape keep their fixed limit of 128 pairs."""
+    from npuport.kernels.fused_moe import GROUPED, MATVEC, plan_experts_triton
+
+    packed, unpacked = int4_experts(experts, seed=9)
+    top_k = 2
+    for tokens in (2 * experts, 2 * experts + 1):
+        x = torch.randn(tokens, HIDDEN).bfloat16()
+        ids = torch.zeros(tokens, top_k, dtype=torch.int64)
+        want = MATVEC if tokens * top_k <= 4 * experts else GROUPED
+        assert plan_experts_triton(x, packed, ids).path == want
+        assert plan_experts_triton(x, unpacked, ids).path == (MATVEC if tokens * top_k <= 128 else GROUPED)

@@ -27,10 +27,12 @@ SHARED_WAYS = (SLOT, MATVEC, REFERENCE)
 # serve every row of an expert at once. At the 35B-A3B widths on an H200 the matvec kernels were 1.4-2x faster at
 # 128 pairs (bench/RESULTS.md).
 MATVEC_MAX_PAIRS = 128
-# int4 experts: the grouped GEMMs take them unpacked by PyTorch for the call (run.py), 1.2-1.4 ms a 35B-A3B layer on
-# an H200 whatever the tokens, where the int4 matvec kernels took 208 us at 256 pairs (32 tokens): they serve twice
-# as many pairs.
-INT4_MATVEC_MAX_PAIRS = 256
+# int4 experts: the grouped GEMMs take every expert unpacked by PyTorch for the call (run.py), whatever the tokens -
+# 1.2-1.4 ms a 35B-A3B layer (256 experts) on an H200, where the int4 matvec kernels took 208 us at 256 pairs (32
+# tokens) - so the matvec kernels serve routed pairs up to a number that grows with the experts: at 397B-A17B widths
+# (512 experts, top 10) a fixed 256 sent batch 32's 320 pairs to the grouped path, and a decode step took 22.7 ms
+# against W8A8's 2.3 ms (H100, bench/RESULTS.md). Unpacking cost about as much as 6 matvec pairs an expert.
+INT4_MATVEC_PAIRS_PER_EXPERT = 4
 
 
 @dataclass(frozen=True)
@@ -94,13 +96,14 @@ def plan_experts_triton(x: torch.Tensor, experts: StackedExperts, expert_ids: to
                         plan_tokens: int | None = None, matvec_max_pairs: int | None = None) -> ExpertPlan:
     """The Triton kernels' plan (any device; CPU tensors run in Triton's interpreter), arguments as plan_experts':
     the matvec kernels up to matvec_max_pairs routed pairs of the planned tokens (default MATVEC_MAX_PAIRS, for int4
-    experts INT4_MATVEC_MAX_PAIRS), the grouped GEMMs beyond. A
+    experts INT4_MATVEC_PAIRS_PER_EXPERT for each expert of the call), the grouped GEMMs beyond. A
     shared expert of the routed ones' layout (shares_layout) is one more slot - in the matvec kernels, or beside
     the grouped GEMMs - so that a decode step and a verify step round alike; another is added after the routed
     sum, by matvec launches of its own for few tokens."""
     m, top_k = expert_ids.shape
     if matvec_max_pairs is None:
-        matvec_max_pairs = INT4_MATVEC_MAX_PAIRS if experts.int4 else MATVEC_MAX_PAIRS
+        matvec_max_pairs = (INT4_MATVEC_PAIRS_PER_EXPERT * experts.num_experts if experts.int4
+                            else MATVEC_MAX_PAIRS)
     planned = m if plan_tokens is None else max(m, plan_tokens)
     arrived_int8 = tokens_int8 and experts.quantized
     slot = shared is not None and shares_layout(experts, shared)
