@@ -17,7 +17,8 @@ accelerator. For each MTP setting, one runtime:
   captured during the warm-up burst and during the timed ones, and the seconds the latter took; the mean seconds
   of a timed request as its client saw it and as the server measured it (from the request read whole to its
   answer): what lies between is HTTP and the clients; and what the batch did during the timed bursts: kernel
-  tunings, prefill calls and their mean tokens, decode rounds and their mean rows.
+  tunings, prefill calls and their mean tokens, decode rounds and their mean rows, and the seconds those calls
+  took (the rest of the timed wall time the worker spent on its own host work or waiting for requests).
 Prints and writes (DIR/serve_engine_ratio.json) every figure and the ratios serve / engine.
 """
 
@@ -107,12 +108,15 @@ def batch_shape(warm: dict[str, float], timed: dict[str, float]) -> dict:
     return {"kernel_tunings_timed": grew("kernel_tunings_total"), "prefill_calls_timed": chunks,
             "prefill_tokens_mean": grew("prefill_chunk_tokens_sum") / chunks if chunks else None,
             "decode_rounds_timed": rounds,
-            "decode_rows_mean": grew("decode_round_rows_sum") / rounds if rounds else None}
+            "decode_rows_mean": grew("decode_round_rows_sum") / rounds if rounds else None,
+            "prefill_seconds_timed": grew("prefill_seconds_total"),
+            "decode_seconds_timed": grew("decode_seconds_total")}
 
 
 COUNTERS = ("graph_captures_total", "graph_capture_seconds_total", "e2e_request_latency_seconds_sum",
             "e2e_request_latency_seconds_count", "kernel_tunings_total", "prefill_chunk_tokens_sum",
-            "prefill_chunk_tokens_count", "decode_round_rows_sum", "decode_round_rows_count")
+            "prefill_chunk_tokens_count", "decode_round_rows_sum", "decode_round_rows_count", "prefill_seconds_total",
+            "decode_seconds_total")
 
 
 def served_counters(url: str) -> dict[str, float]:

@@ -182,3 +182,5 @@ def test_prefill_chunks_and_decode_rounds_are_counted_as_decoding_one_token_a_ro
     assert grew("decode_round_rows_count", lone, after) == new - 1
     assert grew("decode_round_rows_sum", lone, after) == 2 * (new - 1)
     assert grew("decode_round_rows_bucket[1]", lone, after) == 0
+    for calls in ("prefill_seconds_total", "decode_seconds_total"):  # within the requests' own time, not nothing
+        assert 0 < grew(calls, before, after) < after["npuport:e2e_request_latency_seconds_sum"]

@@ -38,6 +38,7 @@ from __future__ import annotations
 
 import itertools
 import random
+import time
 from collections import deque
 from collections.abc import Sequence
 from dataclasses import dataclass, field
@@ -187,11 +188,11 @@ class Slots:
 
 class StepObserver(Protocol):
     """Hears of the batch's model calls (serve's /metrics): each prefill call's prompt tokens, and each decode
-    call's rows and rounds."""
+    call's rows and rounds, with the seconds each took (from the call to its tokens on the host)."""
 
-    def prefilled(self, tokens: int) -> None: ...
+    def prefilled(self, tokens: int, seconds: float) -> None: ...
 
-    def decoded(self, rows: int, rounds: int) -> None: ...
+    def decoded(self, rows: int, rounds: int, seconds: float) -> None: ...
 
 
 class ContinuousBatcher(Batcher):
@@ -398,9 +399,10 @@ class ContinuousBatcher(Batcher):
         samplers = None if group.started else [self._sampler(row) for row in group.rows]
         group.started = True
         width = chunk_width(group.width, max(len(part.tokens) for part in chunk))
+        began = time.perf_counter()
         firsts = self.runner.prefill_slots(group.first, chunk, width, samplers)
         if self.steps is not None:
-            self.steps.prefilled(sum(len(part.tokens) for part in chunk))
+            self.steps.prefilled(sum(len(part.tokens) for part in chunk), time.perf_counter() - began)
         moving = []
         for i, (row, first) in enumerate(zip(group.rows, firsts, strict=True)):
             if first is None or row.ended:
@@ -431,9 +433,11 @@ class ContinuousBatcher(Batcher):
         if not decoding:
             return
         rounds = decode_rounds([row.left for row in decoding], prefilling=bool(self.groups))
+        began = time.perf_counter()
+        results = list(self.runner.decode_slots(len(decoding), rounds))
         if self.steps is not None:
-            self.steps.decoded(len(decoding), rounds)
-        for result in self.runner.decode_slots(len(decoding), rounds):
+            self.steps.decoded(len(decoding), rounds, time.perf_counter() - began)
+        for result in results:
             for row, new in zip(decoding, result.tokens, strict=True):
                 if not row.ended:
                     row.since += len(new)

@@ -16,8 +16,10 @@ served model's name:
   for the first time);
 - `npuport:prefill_chunk_tokens`, `npuport:decode_round_rows` (histograms): the prompt tokens of each prefill call
   of the continuous batch and the rows of each of its decode rounds (an MTP round with MTP) - how well requests
-  batch: `_sum / _count` of the second is the mean rows a round. They stay empty with `--batch-invariant`, which
-  runs each request alone.
+  batch: `_sum / _count` of the second is the mean rows a round; `npuport:prefill_seconds_total`,
+  `npuport:decode_seconds_total` (counters): the seconds those calls took, to their tokens on the host - the rest
+  of the worker's time is its own host work or waiting for requests. They stay at zero with `--batch-invariant`,
+  which runs each request alone.
 
 Written by hand rather than with the prometheus_client library: the format is a few lines of text, and the server
 adds no dependency to every install for it (the tests read it with that library's parser)."""
@@ -119,14 +121,18 @@ class ServeMetrics:
         self.ttft, self.latency = Histogram(TTFT_BUCKETS_S), Histogram(LATENCY_BUCKETS_S)
         self.chunk_tokens, self.round_rows = Histogram(PREFILL_CHUNK_BUCKETS), Histogram(DECODE_ROWS_BUCKETS)
 
+        self.prefill_seconds = self.decode_seconds = 0.0
+
     # the continuous batcher's steps (its StepObserver)
-    def prefilled(self, tokens: int) -> None:
+    def prefilled(self, tokens: int, seconds: float) -> None:
         with self.lock:
             self.chunk_tokens.observe(tokens)
+            self.prefill_seconds += seconds
 
-    def decoded(self, rows: int, rounds: int) -> None:
+    def decoded(self, rows: int, rounds: int, seconds: float) -> None:
         with self.lock:
             self.round_rows.observe(rows, rounds)
+            self.decode_seconds += seconds
 
     def submitted(self, arrived: float) -> Request:
         """A request handed to the model (it waits until its first token), which arrived whole at `arrived`
@@ -158,6 +164,10 @@ class ServeMetrics:
                  self.chunk_tokens.lines(f"{PREFIX}prefill_chunk_tokens", labels)),
                 ("decode_round_rows", "histogram", "Rows of each decode round of the batch (an MTP round with MTP).",
                  self.round_rows.lines(f"{PREFIX}decode_round_rows", labels)),
+                ("prefill_seconds_total", "counter", "Seconds the batch's prefill calls took, to their first tokens.",
+                 [f"{PREFIX}prefill_seconds_total{{{labels}}} {number(self.prefill_seconds)}"]),
+                ("decode_seconds_total", "counter", "Seconds the batch's decode calls took, to their tokens.",
+                 [f"{PREFIX}decode_seconds_total{{{labels}}} {number(self.decode_seconds)}"]),
             ]
         families += pauses("graph_capture", "Device graphs captured", CAPTURES, labels)
         families += pauses("kernel_tuning", "int8 GEMM shape classes whose tiles were tuned", TUNINGS, labels)
