@@ -179,6 +179,9 @@ def main() -> None:
     parser.add_argument("--gather-iterations", type=int, default=None,
                         help="The iterations a new group may wait for more rows in the 'serve' and 'http' variants "
                              "(default: the batcher's GATHER_ITERATIONS).")
+    parser.add_argument("--settle-s", type=float, default=None,
+                        help="How long apart requests to an idle batcher may arrive and still be taken together "
+                             "(default: the batcher's SETTLE_S; 0: the first goes alone).")
     args = parser.parse_args()
     args.out.mkdir(parents=True, exist_ok=True)
     from npuport.kernels.w8a8 import gemm
@@ -195,6 +198,8 @@ def main() -> None:
     variants = {"serve": (*now[:2], gather, False), "before": (*then, False), "http": (*now[:2], gather, True),
                 "http-before": (*then, True)}
     runs_triton = continuous.runs_triton
+    if args.settle_s is not None:
+        continuous.SETTLE_S = args.settle_s
     for k in [int(x) for x in args.mtp.split(",")]:
         runner = RuntimeCompletions.load(args.model, device=args.device, batch_size=args.clients, mtp=k)
         engine = measure_throughput(runner.model, prompts, args.new_tokens, mtp=k, label=f"mtp {k}", repeats=2)
@@ -213,6 +218,7 @@ def main() -> None:
                 wall = time.perf_counter() - start
                 trace.recording = False
             report = {"mtp": k, "variant": variant, "gather_iterations": continuous.GATHER_ITERATIONS,
+                      "settle_s": continuous.SETTLE_S,
                       "batcher_start_s": warm_up_s,
                       "device": torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu",
                       "engine_output_tokens_per_s": engine.output_tokens_per_s,

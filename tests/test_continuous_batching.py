@@ -393,3 +393,28 @@ def test_a_new_group_waits_a_round_for_rows_arriving_just_after_it_and_prefills_
     for prompt, answer, new in zip([short, a, b], answers, [40, 6, 6], strict=True):
         assert answer.result.token_ids == generate(runner64.model, [prompt], new, runner64.options,
                                                    stop_tokens=runner64.stop_tokens).tokens[0]
+
+
+@pytest.mark.parametrize("settle_s", [0.0, 2.0])
+def test_an_idle_batcher_woken_by_a_request_takes_those_following_it_closely_into_its_first_prefill(
+        runner64, monkeypatch, settle_s):
+    """Two requests sent 50 ms apart to an idle batcher: with requests settling for up to 2 s of quiet they prefill
+    as one chunk of two rows; without, the first prefills alone. Both get generate()'s tokens either way."""
+    monkeypatch.setattr(continuous, "SETTLE_S", settle_s)
+    monkeypatch.setattr(continuous, "SETTLE_MOST_S", 2 * settle_s)
+    batcher = ContinuousBatcher(runner64, 4, prefill_tokens=64)
+    prefill, chunk_rows = runner64.prefill_slots, []
+    monkeypatch.setattr(runner64, "prefill_slots", lambda first, chunk, *rest: chunk_rows.append(len(chunk))
+                        or prefill(first, chunk, *rest))
+    a, b = prompts(2, 13, 5, 20)
+    try:
+        first = batcher.submit(Job([TextRequest(a, 4)], SamplingParams()))
+        time.sleep(0.05)
+        second = batcher.submit(Job([TextRequest(b, 4)], SamplingParams()))
+        answers = [first.result(timeout=120)[0], second.result(timeout=120)[0]]
+    finally:
+        batcher.close(30)
+    assert chunk_rows == ([2] if settle_s else [1, 1])
+    for prompt, answer in zip([a, b], answers, strict=True):
+        assert answer.result.token_ids == generate(runner64.model, [prompt], 4, runner64.options,
+                                                   stop_tokens=runner64.stop_tokens).tokens[0]

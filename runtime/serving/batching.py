@@ -30,6 +30,7 @@ import dataclasses
 import itertools
 import queue
 import threading
+import time
 from collections.abc import Callable, Sequence
 from concurrent.futures import Future
 from dataclasses import dataclass, field
@@ -152,16 +153,21 @@ class Batcher:
         self.worker.join(timeout_s)
         return not self.worker.is_alive()
 
-    def _arrivals(self, block: bool) -> list[Job]:
+    def _arrivals(self, block: bool, settle_s: float = 0.0, settle_most_s: float = 0.0) -> list[Job]:
         """The jobs submitted since the last look (waiting for one when `block`), each marked running; the queue's
-        end mark sets _closing."""
-        jobs = []
+        end mark sets _closing. With `settle_s`, once one has come, the jobs that go on arriving less than settle_s
+        apart too, for at most settle_most_s."""
+        jobs: list[Job] = []
+        until = None  # while jobs settle: when they stop being waited for
         while not self._closing:
+            wait = None if until is None else max(0.0, min(settle_s, until - time.monotonic()))
             try:
-                job = self._queue.get(block=block)
+                job = self._queue.get(block=block) if wait is None else self._queue.get(timeout=wait)
             except queue.Empty:
                 break
             block = False
+            if settle_s > 0 and until is None:
+                until = time.monotonic() + settle_most_s
             if job is None:
                 self._closing = True  # once the jobs in line are done
             elif job.future.set_running_or_notify_cancel():

@@ -1,7 +1,9 @@
 """Continuous batching for `npuport serve`: one worker thread owns the model and its pool of slots
 (runtime/slots.py) and runs, again and again, one iteration of
 
-1. arrivals: the rows (a prompt x n each) of new requests wait in line, in order;
+1. arrivals: the rows (a prompt x n each) of new requests wait in line, in order (an idle worker woken by a
+   request first takes those that follow it less than SETTLE_S apart: clients answered together send again
+   together);
 2. admission: the rows in line that fit take staging slots, together (those admitted in one iteration form a
    group: they prefill side by side, in chunks of one width fixed when the group forms, so that a group's
    arithmetic does not depend on what else runs) - one row of each request in turn, the requests with the fewest
@@ -63,6 +65,12 @@ PREFILL_TOKENS_DEVICE = 4096
 # Iterations (one decode round each) a new group may wait for more arriving rows before its first chunk, while
 # other rows decode (ContinuousBatcher._gathers).
 GATHER_ITERATIONS = 2
+
+# An idle worker woken by a request goes on taking the requests that arrive less than SETTLE_S apart, for at most
+# SETTLE_MOST_S, before it starts: clients whose answers came together send again together, a few ms apart, and the
+# first alone was a prefill call of its own (35B-A3B widths on an H100: one call in five, 23-31 ms each, while the
+# other 31 prompts waited; bench/RESULTS.md, run Z2). A request to an idle server waits 2 ms more.
+SETTLE_S, SETTLE_MOST_S = 0.002, 0.010
 
 # Chunk widths are multiples of this (when at least this): Triton specialises compiled kernels on integer arguments
 # divisible by 16, so a width of 1,365 (4,096 over 3 rows) would compile variants of its own while clients wait.
@@ -214,6 +222,7 @@ class ContinuousBatcher(Batcher):
         self.slots = Slots(max_rows)
         self.round_tokens = ROUND_TOKENS
         self.gather_iterations = GATHER_ITERATIONS
+        self.settle_s, self.settle_most_s = SETTLE_S, SETTLE_MOST_S
         self._seeds = random.Random()
         self._arrived = itertools.count()
         if runs_triton(runner.model.device):  # kernels to compile, GEMM tiles to tune: now, not while clients wait
@@ -226,7 +235,8 @@ class ContinuousBatcher(Batcher):
         try:
             while True:
                 busy = bool(self.waiting or self.groups or self.slots.decoding)
-                self._line_up(self._arrivals(block=not busy))
+                self._line_up(self._arrivals(block=not busy, settle_s=0.0 if busy else self.settle_s,
+                                             settle_most_s=self.settle_most_s))
                 if self._closing and not (self.waiting or self.groups or self.slots.decoding):
                     return
                 try:
