@@ -100,7 +100,7 @@ def serve_throughput(command: list[str], port: int, log: Path, prompts: list[lis
 
 def batch_shape(warm: dict[str, float], timed: dict[str, float]) -> dict:
     """What serve's batch did between the two readings of its /metrics: kernel tunings, prefill calls and their
-    mean tokens, decode rounds and their mean rows."""
+    mean tokens, decode rounds and their mean rows, and the seconds the prefill and the decode calls took."""
     def grew(name: str) -> float:
         return timed[name] - warm[name]
 
@@ -120,8 +120,8 @@ COUNTERS = ("graph_captures_total", "graph_capture_seconds_total", "e2e_request_
 
 
 def served_counters(url: str) -> dict[str, float]:
-    """serve's /metrics so far: graphs captured and the seconds their captures took, the requests answered and
-    the sum of their latencies from arrival to answer (server side)."""
+    """serve's /metrics so far: the COUNTERS samples (graph captures and kernel tunings, the requests answered and
+    their latencies, the batch's prefill calls and decode rounds and their seconds) by name."""
     values = {}
     for line in get_text(url + "/metrics", timeout_s=30.0).splitlines():
         for name in COUNTERS:

@@ -190,13 +190,12 @@ def main() -> None:
     from npuport.runtime.validation.throughput import measure_throughput
 
     prompts = client_prompts(args.clients, args.prompt_tokens)
+    decode_rounds, gather_iterations = continuous.decode_rounds, continuous.GATHER_ITERATIONS  # as the batcher is
+    gather = gather_iterations if args.gather_iterations is None else args.gather_iterations
     # variant -> (the batcher's decode rounds rule, whether it warms its prefill up, the iterations a new group may
     # wait for more rows, whether clients ask over HTTP)
-    now = (continuous.decode_rounds, True, continuous.GATHER_ITERATIONS)
-    gather = continuous.GATHER_ITERATIONS if args.gather_iterations is None else args.gather_iterations
-    then = (sync_every_rounds, False, 0)
-    variants = {"serve": (*now[:2], gather, False), "before": (*then, False), "http": (*now[:2], gather, True),
-                "http-before": (*then, True)}
+    variants = {"serve": (decode_rounds, True, gather, False), "before": (sync_every_rounds, False, 0, False),
+                "http": (decode_rounds, True, gather, True), "http-before": (sync_every_rounds, False, 0, True)}
     runs_triton = continuous.runs_triton
     if args.settle_s is not None:
         continuous.SETTLE_S = args.settle_s
@@ -231,7 +230,7 @@ def main() -> None:
             print(json.dumps(report, indent=1), flush=True)
             (args.out / f"serve_trace-mtp{k}-{variant}.json").write_text(
                 json.dumps({**report, "trace": trace.calls}) + "\n")
-        continuous.decode_rounds, _, continuous.GATHER_ITERATIONS = now
+        continuous.decode_rounds, continuous.GATHER_ITERATIONS = decode_rounds, gather_iterations
         continuous.runs_triton = runs_triton
         del runner, trace
         if torch.cuda.is_available():

@@ -444,7 +444,7 @@ class ContinuousBatcher(Batcher):
             return
         rounds = decode_rounds([row.left for row in decoding], prefilling=bool(self.groups))
         began = time.perf_counter()
-        results = list(self.runner.decode_slots(len(decoding), rounds))
+        results = self.runner.decode_slots(len(decoding), rounds)
         if self.steps is not None:
             self.steps.decoded(len(decoding), rounds, time.perf_counter() - began)
         for result in results:

@@ -120,7 +120,6 @@ class ServeMetrics:
         self.prompt_tokens = self.generation_tokens = self.successes = 0
         self.ttft, self.latency = Histogram(TTFT_BUCKETS_S), Histogram(LATENCY_BUCKETS_S)
         self.chunk_tokens, self.round_rows = Histogram(PREFILL_CHUNK_BUCKETS), Histogram(DECODE_ROWS_BUCKETS)
-
         self.prefill_seconds = self.decode_seconds = 0.0
 
     # the continuous batcher's steps (its StepObserver)

@@ -256,10 +256,10 @@ def served_names(path: Path | str, served_model: str | None) -> tuple[str, tuple
 
 def freeze_startup_heap() -> None:
     """Move everything alive once the server has started - the model and its modules, kernels, graphs, tokenizer -
-    to the collector's permanent generation, after one last collection: a full collection then walks only what
-    was allocated since. Python's full collections stop every thread, the model's worker included, for a time that
-    grows with the objects they walk, and the requests a server parses and answers make them run now and then
-    (as vLLM's and sglang's servers do, after their warm-up). The frozen objects are never collected: the server
+    to the collector's permanent generation, after one last collection, as vLLM's and sglang's servers do after
+    their warm-up: a full collection then walks only what was allocated since. Python's full collections stop
+    every thread, the model's worker included, for a time that grows with the objects they walk, and the requests
+    a server parses and answers make them run now and then. The frozen objects are never collected: the server
     holds them for its life anyway."""
     gc.collect()
     gc.freeze()
