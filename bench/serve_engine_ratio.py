@@ -3,7 +3,7 @@ in the same run (issue 41's GPU acceptance: output tok/s of 32 clients >= 0.75x 
 
     python -P bench/serve_engine_ratio.py --out DIR [--like 35B-A3B] [--layers 8] [--clients 32]
                                           [--prompt-tokens 512] [--new-tokens 64] [--requests-per-client 3]
-                                          [--mtp 0,1] [--model ARTIFACT]
+                                          [--mtp 0,1] [--prefill-tokens default,16384] [--model ARTIFACT]
 
 make-tiny --like at reduced depth (random weights), converted to W8A8 (or --model: an artifact), on the first
 accelerator. For each MTP setting, one runtime:
@@ -19,6 +19,8 @@ accelerator. For each MTP setting, one runtime:
   answer): what lies between is HTTP and the clients; and what the batch did during the timed bursts: kernel
   tunings, prefill calls and their mean tokens, decode rounds and their mean rows, and the seconds those calls
   took (the rest of the timed wall time the worker spent on its own host work or waiting for requests).
+  With several --prefill-tokens (serve's budget of prompt tokens per step; `default`: serve's own), one serve run
+  each, against the same engine figure.
 Prints and writes (DIR/serve_engine_ratio.json) every figure and the ratios serve / engine.
 """
 
@@ -48,11 +50,17 @@ def artifact(args) -> Path:
     return convert_qwen35(source, args.out / "w8a8", show_progress=False, log=lambda m: None, workers=4).out
 
 
-def serve_command(path: Path, port: int, args, mtp: int) -> list[str]:
+def serve_command(path: Path, port: int, args, mtp: int, prefill_tokens: int | None) -> list[str]:
     command = [sys.executable, "-m", "npuport.cli", "serve", str(path), "--host", "127.0.0.1", "--port", str(port),
                "--max-batch-size", str(args.clients), "--max-client-requests", str(args.clients),
                "--max-connections", str(args.clients), "--mtp", str(mtp), "--dtype", args.dtype, "--quiet"]
+    command += ["--prefill-tokens", str(prefill_tokens)] if prefill_tokens else []
     return command + (["--device", args.device] if args.device else [])
+
+
+def prefill_budgets(text: str) -> list[int | None]:
+    """--prefill-tokens' comma list: serve's budgets of prompt tokens per step (None for `default`, serve's own)."""
+    return [None if item.strip() == "default" else int(item) for item in text.split(",")]
 
 
 def client_prompts(clients: int, prompt_tokens: int) -> list[list[int]]:
@@ -141,6 +149,8 @@ def main() -> None:
     parser.add_argument("--new-tokens", type=int, default=64)
     parser.add_argument("--requests-per-client", type=int, default=3)
     parser.add_argument("--mtp", default="0,1")
+    parser.add_argument("--prefill-tokens", default="default",
+                        help="serve's --prefill-tokens, a comma list, one serve run each (`default`: serve's own).")
     parser.add_argument("--device", default=None, help="Default: the first accelerator, else the CPU.")
     parser.add_argument("--dtype", default="bfloat16")
     args = parser.parse_args()
@@ -159,16 +169,18 @@ def main() -> None:
         del runner  # the server loads its own
         if torch.cuda.is_available():
             torch.cuda.empty_cache()
-        port = free_port()
-        served = serve_throughput(serve_command(path, port, args, k), port, args.out / f"serve-mtp{k}.log", prompts,
-                                  args.new_tokens, args.requests_per_client)
-        run = {"mtp": k, "engine_output_tokens_per_s": engine.output_tokens_per_s,
-               "engine_decode_tokens_per_s": engine.decode_tokens_per_s, "serve": served,
-               "serve_vs_engine_output": served["output_tokens_per_s"] / engine.output_tokens_per_s,
-               "serve_vs_engine_decode": served["output_tokens_per_s"] / engine.decode_tokens_per_s}
-        summary["runs"].append(run)
-        print(json.dumps(run), flush=True)
-        (args.out / "serve_engine_ratio.json").write_text(json.dumps(summary, indent=2) + "\n")
+        for budget in prefill_budgets(args.prefill_tokens):
+            port = free_port()
+            log = args.out / f"serve-mtp{k}-prefill{budget or 'default'}.log"
+            served = serve_throughput(serve_command(path, port, args, k, budget), port, log, prompts,
+                                      args.new_tokens, args.requests_per_client)
+            run = {"mtp": k, "prefill_tokens": budget, "engine_output_tokens_per_s": engine.output_tokens_per_s,
+                   "engine_decode_tokens_per_s": engine.decode_tokens_per_s, "serve": served,
+                   "serve_vs_engine_output": served["output_tokens_per_s"] / engine.output_tokens_per_s,
+                   "serve_vs_engine_decode": served["output_tokens_per_s"] / engine.decode_tokens_per_s}
+            summary["runs"].append(run)
+            print(json.dumps(run), flush=True)
+            (args.out / "serve_engine_ratio.json").write_text(json.dumps(summary, indent=2) + "\n")
 
 
 if __name__ == "__main__":
