@@ -282,8 +282,12 @@ def _matvec_down(launch: Launch, c: dict) -> Footprint:
 def _grouped_gemm(launch: Launch, c: dict) -> Footprint:
     halves = 2 if c["GATED"] else 1
     a = c["BLOCK"] * c["BK"] * launch.element_bytes("a")
-    b = c["BK"] * c["BN"] * launch.element_bytes("w")
     acc = halves * c["BLOCK"] * c["BN"] * 4
+    if c.get("INT4"):  # a byte tile [BK, BN/2] a half, unpacked through int32 into two int8 tiles (the dot's)
+        b = c["BK"] * c["BN"] // 2
+        unpacking = 2 * b * 4 + 2 * b
+        return Footprint(a + halves * b, 2 * acc + unpacking, dot_a=a, dot_b=b, dot_acc=acc)
+    b = c["BK"] * c["BN"] * launch.element_bytes("w")
     return Footprint(a + halves * b, 2 * acc, dot_a=a, dot_b=b, dot_acc=acc)  # the epilogue's fp32 copies
 
 

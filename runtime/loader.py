@@ -42,11 +42,11 @@ _MTP_LAYER = re.compile(r"^mtp\.layers\.(\d+)\.")
 
 def keeps_int4_packed(device: torch.device) -> bool:
     """Whether W4A8 experts stay int4 pairs in int8 bytes (StackedExperts.int4) on `device`: on a GPU, where the
-    matvec kernels read them as int4 (half the bytes of int8) - one GPU, or each of several under expert
-    parallelism, whose rank holds its own experts packed (a byte pairs rows of one expert) and runs them as one
-    device would. Elsewhere they are unpacked to int8 at load, on one device or on each rank: the CPU runs the
-    references (which would unpack them on every call), and on an NPU torch-npu's grouped matmul runs the experts,
-    with no int4 operator documented for it here."""
+    Triton kernels (matvec and grouped GEMM) read them as int4 (half the bytes of int8) - one GPU, or each of
+    several under expert parallelism, whose rank holds its own experts packed (a byte pairs rows of one expert) and
+    runs them as one device would. Elsewhere they are unpacked to int8 at load, on one device or on each rank: the
+    CPU runs the references (which would unpack them on every call), and on an NPU torch-npu's grouped matmul runs
+    the experts, with no int4 operator documented for it here."""
     return is_gpu(device)
 
 

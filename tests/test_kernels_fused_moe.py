@@ -260,7 +260,7 @@ def test_grouped_gemm_tiles_fit_hopper_shared_memory_in_float32(pairs, gated):
     signature = {name: "*i32" if name in ("rows", "block_expert") else "*fp32" for name in pointers}
     signature |= dict.fromkeys(ints, "i32")
     constants = {"BLOCK": config.block, "BN": config.bn, "BK": config.bk, "INT8": False, "GATED": gated,
-                 "ROUTED": not gated}
+                 "ROUTED": not gated, "INT4": False}
     signature |= dict.fromkeys(constants, "constexpr")
     kernel = triton.compile(ASTSource(_grouped_gemm_kernel, signature, constants), target=GPUTarget("cuda", 90, 32),
                             options={"num_warps": config.num_warps, "num_stages": stages})

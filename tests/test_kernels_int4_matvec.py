@@ -1,8 +1,8 @@
-"""The matvec expert kernels reading W4A8 experts as packed int4 (StackedExperts.int4): against the int8 kernels on
-the unpacked weights (bit for bit: the same int32 sums, the same epilogue), against a float64 loop over the
-dequantized weights, at the nibbles' edge values, with K and N not multiples of the tiles - run on CPU tensors
-through Triton's interpreter at small widths. The unpacking is checked against convert/w4a8.py's packing and
-against a nibble decode written out here."""
+"""The expert kernels reading W4A8 experts as packed int4 (StackedExperts.int4), the matvec ones and the grouped
+GEMM: against the int8 kernels on the unpacked weights (bit for bit: the same int32 sums, the same epilogue), against
+a float64 loop over the dequantized weights, at the nibbles' edge values, with K and N not multiples of the tiles -
+run on CPU tensors through Triton's interpreter at small widths. The unpacking is checked against convert/w4a8.py's
+packing and against a nibble decode written out here."""
 
 from __future__ import annotations
 
@@ -17,9 +17,12 @@ from npuport.kernels.fused_moe import (  # noqa: E402
     GROUPED,
     MATVEC,
     SLOT,
+    GroupedConfig,
     MatvecConfig,
     StackedExperts,
     fused_experts_reference,
+    group_by_expert,
+    grouped_gemm,
     matvec_config,
     matvec_down,
     matvec_experts,
@@ -30,7 +33,7 @@ from npuport.kernels.fused_moe import (  # noqa: E402
     shares_layout,
 )
 from npuport.kernels.fused_moe.experts import unpack_int4_rows  # noqa: E402
-from npuport.kernels.w8a8 import quantize_per_token_int8_reference  # noqa: E402
+from npuport.kernels.w8a8 import int8_matmul_rescale_reference, quantize_per_token_int8_reference  # noqa: E402
 
 # K = 48 and 40 are not multiples of the K tile of 32 (masked tails); N = 2 * 12 gate/up rows and 40 down rows are
 # not multiples of the 8-row column tiles (masked row pairs).
@@ -150,9 +153,10 @@ def test_int4_matvec_equals_the_reference_and_the_float64_loop(hidden, inter, co
     assert ((got.double() - exact).norm() / exact.norm()).item() < 0.05
 
 
-def test_the_plan_runs_int4_experts_on_the_matvec_kernels_and_unpacks_them_for_the_grouped_gemms():
-    """Decode-sized calls take the int4 matvec kernels; larger ones the grouped GEMMs on the unpacked experts, with
-    the bits of the int8 experts' grouped GEMMs; off Triton the reference unpacks them."""
+def test_the_plan_runs_int4_experts_packed_on_both_kernel_paths(monkeypatch):
+    """Decode-sized calls take the int4 matvec kernels, larger ones the int4 grouped GEMMs: both read the packed
+    bytes (nothing unpacks the experts) and give the bits of the int8 experts' kernels on the unpacked values; off
+    Triton the reference unpacks them."""
     packed, unpacked = int4_experts(EXPERTS, seed=8)
     gen = torch.Generator().manual_seed(9)
     x = torch.randn(6, HIDDEN, generator=gen).bfloat16()
@@ -160,10 +164,61 @@ def test_the_plan_runs_int4_experts_on_the_matvec_kernels_and_unpacks_them_for_t
     for path, most in ((MATVEC, 128), (GROUPED, 0)):
         plan = plan_experts_triton(x, packed, ids, matvec_max_pairs=most)
         assert plan.path == path
-        assert torch.equal(run_experts(plan, x, packed, weights, ids), run_experts(plan, x, unpacked, weights, ids))
+        want = run_experts(plan, x, unpacked, weights, ids)
+        with monkeypatch.context() as patch:
+            patch.setattr(StackedExperts, "unpacked", lambda self: pytest.fail("the kernels unpacked the experts"))
+            assert torch.equal(run_experts(plan, x, packed, weights, ids), want)
     off_triton = plan_experts(x, packed, ids)  # CPU: the reference
     assert torch.equal(run_experts(off_triton, x, packed, weights, ids),
                        fused_experts_reference(x, unpacked, weights, ids))
+
+
+# bn 8: one K step short of HIDDEN = 40 and INTER = 12 (tails), 4 row pairs a tile; bn 2: one row pair a tile
+GROUPED_TILES = [GroupedConfig(block=4, bn=8, bk=16), GroupedConfig(block=8, bn=2, bk=32)]
+
+
+@pytest.mark.parametrize("config", GROUPED_TILES, ids=[f"block{c.block} bn{c.bn} bk{c.bk}" for c in GROUPED_TILES])
+@pytest.mark.parametrize("edge", [False, True], ids=["random", "edge"])
+def test_the_int4_grouped_gemm_gives_the_int8_grouped_gemms_bits_on_the_unpacked_weights(config, edge):
+    """gate/up (silu(gate) * up paired across the packed halves) and down (times the routing weight): the grouped
+    GEMM on packed bytes == the int8 grouped GEMM on the unpacked values, every bit - the int32 sums are exact
+    whatever their grouping; with edge values they reach their extremes. And the down projection equals the per-row
+    int8 reference (int8_matmul_rescale_reference on the unpacked expert) bit for bit."""
+    m, top_k = 7, 2
+    packed, unpacked = int4_experts(EXPERTS, seed=21, edge=edge)
+    gen = torch.Generator().manual_seed(22)
+    x = torch.randn(m, HIDDEN, generator=gen).bfloat16()
+    if edge:
+        x[0] = torch.where(torch.arange(HIDDEN) % 2 == 0, -1.0, 1.0)  # int8 values +-127 over the whole row
+    x_q, x_s = quantize_per_token_int8_reference(x)
+    ids, _ = routing(m, top_k, EXPERTS, seed=23)
+    route_weight = torch.rand(m * top_k, generator=gen).bfloat16()
+    grouped = group_by_expert(ids, EXPERTS, config.block)
+    h = grouped_gemm(x_q, x_s.reshape(-1), packed.gate_up, packed.gate_up_scale, grouped, top_k, torch.bfloat16,
+                     config, gated=True, int4=True)
+    want_h = grouped_gemm(x_q, x_s.reshape(-1), unpacked.gate_up, unpacked.gate_up_scale, grouped, top_k,
+                          torch.bfloat16, config, gated=True)
+    assert h.shape == (m * top_k, INTER) and torch.equal(h, want_h)
+    h_q, h_s = quantize_per_token_int8_reference(h)
+    y = grouped_gemm(h_q, h_s.reshape(-1), packed.down, packed.down_scale, grouped, 1, torch.bfloat16, config,
+                     route_weight=route_weight, int4=True)
+    assert y.shape == (m * top_k, HIDDEN)
+    assert torch.equal(y, grouped_gemm(h_q, h_s.reshape(-1), unpacked.down, unpacked.down_scale, grouped, 1,
+                                       torch.bfloat16, config, route_weight=route_weight))
+    for r in range(m * top_k):
+        e = int(ids.reshape(-1)[r])
+        want = int8_matmul_rescale_reference(h_q[r : r + 1], h_s[r : r + 1], unpacked.down[e],
+                                             unpacked.down_scale[e, :, None], torch.bfloat16) * route_weight[r]
+        assert torch.equal(y[r : r + 1], want), f"row {r} (expert {e})"
+
+
+def test_the_int4_grouped_gemm_takes_int8_bytes_in_tiles_of_whole_row_pairs():
+    packed, _ = int4_experts(EXPERTS, seed=24)
+    x_q = torch.zeros(2, HIDDEN, dtype=torch.int8)
+    grouped = group_by_expert(torch.zeros(2, 1, dtype=torch.int64), EXPERTS, 4)
+    with pytest.raises(ValueError, match="whole row pairs, got torch.int8 and tiles of 3"):
+        grouped_gemm(x_q, torch.ones(2), packed.gate_up, packed.gate_up_scale, grouped, 1, torch.bfloat16,
+                     GroupedConfig(block=4, bn=3, bk=16), gated=True, int4=True)
 
 
 @pytest.mark.parametrize("m", [1, 5])

@@ -199,8 +199,8 @@ def moe(s: Sizes, dtype: torch.dtype, rows: int, quantized: bool, plan_tokens: i
     """Routing and the experts: the shared expert riding along (BF16 beside int8 experts, as the W8A8 recipes keep
     it, or int8), the routed experts alone (several ranks), a shared expert of another layout (its rows apart)
     added after them by matvec launches of its own, the tokens arriving quantized (int8 dispatch), and W4A8's int4
-    experts at decode sizes."""
-    from npuport.kernels.fused_moe import MATVEC_MAX_PAIRS, StackedExperts, fused_experts, route_top_k
+    experts."""
+    from npuport.kernels.fused_moe import StackedExperts, fused_experts, route_top_k
     from npuport.kernels.w8a8 import quantize_per_token_int8
 
     x = empty(rows, s.hidden_size, dtype=dtype)
@@ -218,9 +218,7 @@ def moe(s: Sizes, dtype: torch.dtype, rows: int, quantized: bool, plan_tokens: i
     if quantized:  # int8 dispatch: the tokens arrive quantized (expert parallelism)
         x_q, x_scale = quantize_per_token_int8(x)
         fused_experts(x, routed, weights, ids, x_int8=(x_q, x_scale), plan_tokens=plan_tokens)
-    if quantized and max(rows, plan_tokens or 0) * s.num_experts_per_tok <= MATVEC_MAX_PAIRS:
-        # W4A8 decode: the int4 matvec kernels, a BF16 shared expert riding along (more pairs take the grouped GEMMs
-        # on experts unpacked by PyTorch, the int8 launches above)
+    if quantized:  # W4A8: the int4 matvec kernels or grouped GEMMs, a BF16 shared expert riding along
         routed, shared = stacked_experts(s, dtype, True, False, int4=True)
         fused_experts(x, routed, weights, ids, shared=(shared, shared_weight), plan_tokens=plan_tokens)
         fused_experts(x, routed, weights, ids, plan_tokens=plan_tokens)
@@ -267,7 +265,8 @@ def test_every_launched_kernel_is_recorded_and_has_a_footprint(runtime_launches)
     kernel must get a launch here and its tiles there."""
     recorded = {(launch.module, launch.kernel) for launch in runtime_launches}
     assert launched_kernels() - recorded == set()
-    assert any(launch.constexprs.get("INT4") for launch in runtime_launches)  # W4A8's int4 matvec variant too
+    int4 = {launch.kernel for launch in runtime_launches if launch.constexprs.get("INT4")}
+    assert {"_grouped_gemm_kernel", "_matvec_down_kernel"} <= int4  # W4A8's int4 variants too
     assert {kernel for _, kernel in launched_kernels()} - FOOTPRINTS.keys() == set()
 
 

@@ -32,13 +32,16 @@ from npuport.kernels.causal_conv1d import (  # noqa: E402
 )
 from npuport.kernels.decode_attention import decode_attention, decode_attention_reference  # noqa: E402
 from npuport.kernels.fused_moe import (  # noqa: E402
+    GROUPED,
     StackedExperts,
     fused_experts,
     fused_experts_reference,
     matvec_config,
     matvec_experts,
+    plan_experts_triton,
     route_top_k,
     route_top_k_reference,
+    run_experts,
 )
 from npuport.kernels.gated_delta_rule import (  # noqa: E402
     VerifyLog,
@@ -339,6 +342,25 @@ def test_int4_matvec_at_real_widths_gives_the_int8_bits_and_runs_in_a_graph(like
     graph.replay()
     assert torch.equal(out, fused_experts(new[0], packed, new[1], new[2]))
     assert torch.equal(out, fused_experts(new[0], unpacked, new[1], new[2]))
+
+
+@pytest.mark.parametrize("like", sorted(INT4_WIDTHS))
+@pytest.mark.parametrize("m", [32, 512, 4096])
+def test_int4_grouped_experts_at_real_widths_give_the_int8_bits(like, m):
+    """W4A8 experts read as int4 by the grouped GEMMs (the plan's grouped path forced from 32 tokens, prefill
+    sizes as planned) at 35B-A3B and 397B-A17B widths: the int8 grouped GEMMs' bits on the unpacked values, and
+    within bf16 rounding of the reference (unpack, then the int8 arithmetic)."""
+    hidden, experts, top_k, inter = INT4_WIDTHS[like]
+    packed, unpacked = int4_experts(hidden, experts, inter)
+    gen = torch.Generator(device=CUDA).manual_seed(m)
+    x = torch.randn(m, hidden, generator=gen, device=CUDA).bfloat16()
+    weights, ids = route_top_k(torch.randn(m, experts, generator=gen, device=CUDA), top_k, torch.bfloat16)
+    plan = plan_experts_triton(x, packed, ids, matvec_max_pairs=0)
+    assert plan.path == GROUPED
+    got = run_experts(plan, x, packed, weights, ids)
+    assert torch.equal(got, run_experts(plan, x, unpacked, weights, ids))
+    want = fused_experts_reference(x, packed, weights, ids)
+    assert rel(got, want) < 1e-2
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])

@@ -2,7 +2,7 @@
 against, and what the runtime runs where Triton does not (CPU, float64).
 
 W4A8_DYNAMIC experts (msModelSlim's int4 weights q in [-8, 7], per-channel scale s_w, int8 tokens per token) come
-here as int8 experts - unpacked at load, or kept packed (StackedExperts.int4, where the matvec kernels read them as
+here as int8 experts - unpacked at load, or kept packed (StackedExperts.int4, where the Triton kernels read them as
 int4) and unpacked here, per call - so a projection is y[n] = s_x * s_w[n] *
 sum_k x_q[k] * q[n, k], summed exactly in int32 - what the engines' W4A8 MoE methods amount to. vllm-ascend
 (quantization/methods/w4a8.py, ops/fused_moe/moe_mlp.py) and sglang (hardware_backend/npu/quantization: its W4A8 MoE
@@ -15,8 +15,8 @@ value is cut into two int4 halves, its low half moved from [0, 15] to [-8, 7] (x
 both run on int4 x int4 units - and it is kept per K slice (16 for down_proj) because each rank of a row-parallel
 projection adds its own slice's. With it, their result is the same s_x * s_w * sum_k x_q q, up to float32 rounding;
 an exact int8 product has nothing to add back (the loader checks scale_bias against its definition and leaves it).
-sglang's newer method passes scale_bias only with its activation-clip option. The matvec kernels read packed int4
-experts as int4 (matvec.py); this reference unpacks them and runs the int8 arithmetic."""
+sglang's newer method passes scale_bias only with its activation-clip option. The Triton kernels read packed int4
+experts as int4 (matvec.py, grouped_gemm.py); this reference unpacks them and runs the int8 arithmetic."""
 
 from __future__ import annotations
 

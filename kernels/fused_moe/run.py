@@ -3,10 +3,7 @@ verify) two matvec launches (matvec.py: gate/up with silu(gate) * up fused, down
 top-k sum fused); for many (prefill) the rows grouped by expert, two grouped GEMMs (grouped_gemm.py) and the top-k
 sum; on an NPU torch-npu's MoE operators (kernels/npu/moe.py); elsewhere the per-expert PyTorch loop (naive.py).
 W8A8 experts add the per-token quantization of the tokens and of the intermediate. W4A8 experts kept packed
-(StackedExperts.int4) are read as int4 by the matvec kernels; the grouped GEMMs (prefill, large batches) take them
-unpacked by PyTorch on every call - an int8 copy of the layer's experts for the call's duration, never kept (memory
-is what packing saves) - correct and slower than a grouped int4 GEMM would be. fused_experts is the one entry the
-model calls."""
+(StackedExperts.int4) are read as int4 by both paths' kernels. fused_experts is the one entry the model calls."""
 
 from __future__ import annotations
 
@@ -85,9 +82,7 @@ def _matvec_path(plan: ExpertPlan, x: torch.Tensor, experts: StackedExperts, wei
 def _grouped_path(plan: ExpertPlan, x: torch.Tensor, experts: StackedExperts, weights: torch.Tensor,
                   expert_ids: torch.Tensor, rider: SharedExpert | None, x_int8: Int8Tokens | None) -> torch.Tensor:
     """Gate/up and down as two grouped GEMMs over the rows grouped by expert, then the top-k sum (the shared
-    expert's product, by PyTorch, one more slot of it). int4 experts are unpacked for the call (PyTorch, see the
-    module's docstring)."""
-    experts = experts.unpacked()
+    expert's product, by PyTorch, one more slot of it)."""
     m, top_k = expert_ids.shape
     if plan.int8_tokens:
         tokens, token_scales = x_int8[0], x_int8[1].reshape(-1)
@@ -95,10 +90,10 @@ def _grouped_path(plan: ExpertPlan, x: torch.Tensor, experts: StackedExperts, we
         tokens, token_scales = as_expert_input(x, experts)
     routing = group_by_expert(expert_ids, experts.num_experts, plan.grouped.block)
     h = grouped_gemm(tokens, token_scales, experts.gate_up, experts.gate_up_scale, routing, top_k, x.dtype,
-                     plan.grouped, gated=True)
+                     plan.grouped, gated=True, int4=experts.int4)
     h, h_scales = as_expert_input(h, experts)
     y = grouped_gemm(h, h_scales, experts.down, experts.down_scale, routing, 1, x.dtype, plan.grouped,
-                     route_weight=weights.reshape(-1)).view(m, top_k, -1)
+                     route_weight=weights.reshape(-1), int4=experts.int4).view(m, top_k, -1)
     if rider is not None:
         y = torch.cat([y, (expert_mlp_reference(x, rider[0], 0) * rider[1])[:, None]], dim=1)
     return sum_slots(y)
