@@ -6,6 +6,8 @@ packing and against a nibble decode written out here."""
 
 from __future__ import annotations
 
+import re
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -312,3 +314,30 @@ def test_int4_experts_take_the_matvec_kernels_up_to_pairs_in_proportion_to_their
         want = MATVEC if tokens * top_k <= 4 * experts else GROUPED
         assert plan_experts_triton(x, packed, ids).path == want
         assert plan_experts_triton(x, unpacked, ids).path == (MATVEC if tokens * top_k <= 128 else GROUPED)
+
+
+@pytest.mark.parametrize("pairs", [320, 8192, 40960], ids=["decode", "short prefill", "long prefill"])
+@pytest.mark.parametrize("gated", [True, False], ids=["gate-up", "down"])
+def test_the_int4_grouped_gemm_compiles_for_hopper_onto_int8_tensor_cores(pairs, gated):
+    """Compiled for an H100 / H200 (sm_90) by Triton itself, no GPU needed, with the tiles grouped_config picks at
+    397B-A17B's 512 experts: the nibble tiles reach the tensor cores as int8 (an mma on s8 operands), within one
+    block's shared memory."""
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+
+    from npuport.devices import HOPPER_SHARED_MEMORY_PER_BLOCK
+    from npuport.kernels.fused_moe.grouped_gemm import _grouped_gemm_kernel, grouped_config, grouped_stages
+
+    config = grouped_config(pairs, 512, torch.device("cuda"))
+    types = {"a": "*i8", "w": "*i8", "a_scale": "*fp32", "w_scale": "*fp32", "route_weight": "*bf16",
+             "rows": "*i32", "block_expert": "*i32", "out": "*bf16"}
+    ints = ["N", "K", "PAIRS", "A_DIV", "n_tasks", "sa_m", "sw_e", "sw_n", "sws_e", "so_m"]
+    constants = {"BLOCK": config.block, "BN": config.bn, "BK": config.bk, "INT8": True, "GATED": gated,
+                 "ROUTED": not gated, "INT4": True}
+    signature = types | dict.fromkeys(ints, "i32") | dict.fromkeys(constants, "constexpr")
+    stages = grouped_stages(config, 1, gated, HOPPER_SHARED_MEMORY_PER_BLOCK)
+    kernel = triton.compile(ASTSource(_grouped_gemm_kernel, signature, constants), target=GPUTarget("cuda", 90, 32),
+                            options={"num_warps": config.num_warps, "num_stages": stages})
+    # mma.sync...s32.s8.s8.s32 for the small tiles, Hopper's wgmma.mma_async...s32.s8.s8 for the prefill ones
+    assert re.search(r"mma[\w.]*\.s8\.s8", kernel.asm["ptx"]), "the int8 dots did not reach the tensor cores"
+    assert 0 < kernel.metadata.shared <= HOPPER_SHARED_MEMORY_PER_BLOCK
