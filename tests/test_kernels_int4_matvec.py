@@ -301,9 +301,9 @@ def test_a_w4a8_artifact_decodes_the_same_tokens_from_packed_int4_experts(w4a8_a
 
 @pytest.mark.parametrize("experts", [4, 16])
 def test_int4_experts_take_the_matvec_kernels_up_to_pairs_in_proportion_to_their_number(experts):
-    """The grouped GEMMs unpack every int4 expert whatever the tokens, so the matvec kernels serve up to 4 routed
-    pairs an expert (a 397B-A17B layer's 512 experts: batch 32 at top 10 is 320 pairs, matvec), the grouped GEMMs
-    beyond; int8 experts of the same shape keep their fixed limit of 128 pairs."""
+    """The matvec kernels serve int4 experts up to 4 routed pairs an expert (a 397B-A17B layer's 512 experts: batch
+    32 at top 10 is 320 pairs, matvec), the grouped GEMMs beyond; int8 experts of the same shape keep their fixed
+    limit of 128 pairs."""
     from npuport.kernels.fused_moe import GROUPED, MATVEC, plan_experts_triton
 
     packed, unpacked = int4_experts(experts, seed=9)

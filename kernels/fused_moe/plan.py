@@ -27,11 +27,12 @@ SHARED_WAYS = (SLOT, MATVEC, REFERENCE)
 # serve every row of an expert at once. At the 35B-A3B widths on an H200 the matvec kernels were 1.4-2x faster at
 # 128 pairs (bench/RESULTS.md).
 MATVEC_MAX_PAIRS = 128
-# int4 experts: the grouped GEMMs take every expert unpacked by PyTorch for the call (run.py), whatever the tokens -
-# 1.2-1.4 ms a 35B-A3B layer (256 experts) on an H200, where the int4 matvec kernels took 208 us at 256 pairs (32
-# tokens) - so the matvec kernels serve routed pairs up to a number that grows with the experts: at 397B-A17B widths
-# (512 experts, top 10) a fixed 256 sent batch 32's 320 pairs to the grouped path, and a decode step took 22.7 ms
-# against W8A8's 2.3 ms (H100, bench/RESULTS.md). Unpacking cost about as much as 6 matvec pairs an expert.
+# int4 experts: the matvec kernels serve routed pairs up to a number that grows with the experts. Set when the
+# grouped GEMMs took every expert unpacked by PyTorch for the call - 1.2-1.4 ms a 35B-A3B layer (256 experts) on an
+# H200, where the int4 matvec kernels took 208 us at 256 pairs (32 tokens); at 397B-A17B widths (512 experts, top
+# 10) a fixed 256 sent batch 32's 320 pairs there, and a decode step took 22.7 ms against W8A8's 2.3 ms (H100,
+# bench/RESULTS.md). The grouped GEMMs now read int4 themselves (grouped_gemm.py); where between MATVEC_MAX_PAIRS
+# and this limit each path is faster for int4 experts is bench/int4_experts.py's to measure, and not yet measured.
 INT4_MATVEC_PAIRS_PER_EXPERT = 4
 
 
