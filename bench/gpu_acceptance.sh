@@ -1,10 +1,16 @@
 #!/usr/bin/env bash
 # The GPU runs issues 40 and 41 still need, in the order they matter, each bounded in time, results under $1:
-#   bash bench/gpu_acceptance.sh OUT [serve|e2e35|e2e397|tests ...]   (default: tests serve e2e35)
-# - tests:  the GPU tests of continuous batching, decode graphs captured up front and batch-invariant steps;
+#   bash bench/gpu_acceptance.sh OUT [tests|serve|trace|int4|e2e35|e2e397 ...]   (default: tests serve int4 e2e397)
+# - tests:  the GPU tests of continuous batching, decode graphs captured up front, batch-invariant steps and W4A8
+#           (the int4 matvec kernels and grouped GEMMs at real widths, greedy MTP == greedy for a W4A8 artifact);
 # - serve:  issue 41's acceptance: serve with 32 clients against the engine's batch of 32, 35B-A3B widths, 8 layers,
-#           W8A8, MTP off and k = 1 (bench/serve_engine_ratio.py; `graph_captures_timed` should be 0), then
-#           the batcher's calls timed in process, directly and behind HTTP (bench/serve_trace.py);
+#           W8A8, MTP off and k = 1, serve's default prefill budget and 16,384 tokens a step
+#           (bench/serve_engine_ratio.py; `graph_captures_timed` should be 0; `prefill_seconds_timed` and
+#           `decode_seconds_timed` say where serve's time goes);
+# - trace:  the batcher's calls timed in process, directly and behind HTTP (bench/serve_trace.py), same model;
+# - int4:   W4A8 experts on each kernel path against W8A8's, 35B-A3B and 397B-A17B widths (bench/int4_experts.py):
+#           whether the int4 grouped GEMM beats unpacking per call, and where it overtakes the int4 matvec kernels
+#           (plan.py's INT4_MATVEC_PAIRS_PER_EXPERT);
 # - e2e35:  issue 40: W4A8 vs W8A8 vs BF16 decode per token, 35B-A3B widths, 4 layers (bench/moe.py --e2e);
 # - e2e397: the same at 397B-A17B widths, 1 layer: a 29 GB source, its artifacts under /dev/shm (a 64 GB disk
 #           holds the source and one artifact, not three); on an H100 the source took 29 s and both conversions
@@ -12,7 +18,7 @@
 # Checkpoints are made with `make-tiny --like` (random weights at real widths) under $1/models.
 set -euo pipefail
 out=$(realpath -m "$1"); shift
-steps=("${@:-tests serve e2e35}")
+steps=("${@:-tests serve int4 e2e397}")
 mkdir -p "$out/models"
 models="$out/models"
 
@@ -30,18 +36,27 @@ if len(sys.argv) > 4 and not Path(sys.argv[4]).exists():
 EOF
 }
 
+serve_model() {  # the W8A8 artifact the serve runs use: 35B-A3B widths, 8 layers (its source removed)
+    make_like 35B-A3B 8 "$models/src35_8" "$models/w8a8_35_8"
+    rm -rf "$models/src35_8"
+}
+
 for step in ${steps[*]}; do
     case "$step" in
     tests)
         timeout 600 python -m pytest -q -rs tests/test_kernels_on_gpu.py -p no:cacheprovider \
-            -k "continuous or captured_up_front or batch_invariant_steps" 2>&1 | tee "$out/gpu_tests.log" ;;
+            -k "continuous or captured_up_front or batch_invariant_steps or int4 or w4a8" 2>&1 \
+            | tee "$out/gpu_tests.log" ;;
     serve)
-        make_like 35B-A3B 8 "$models/src35_8" "$models/w8a8_35_8"
-        rm -rf "$models/src35_8"
-        timeout 300 python -P bench/serve_engine_ratio.py --out "$out/serve" --model "$models/w8a8_35_8" \
-            --mtp 0,1 --requests-per-client 4
+        serve_model
+        timeout 540 python -P bench/serve_engine_ratio.py --out "$out/serve" --model "$models/w8a8_35_8" \
+            --mtp 0,1 --prefill-tokens default,16384 --requests-per-client 4 ;;
+    trace)
+        serve_model
         timeout 280 python -P bench/serve_trace.py --out "$out/trace" --model "$models/w8a8_35_8" \
             --mtp 0,1 --variants before,serve,http-before,http --requests-per-client 4 ;;
+    int4)
+        timeout 300 python -P bench/int4_experts.py --out "$out/int4" ;;
     e2e35)
         make_like 35B-A3B 4 "$models/src35_4"
         timeout 600 python -P bench/moe.py --out "$out/e2e35" --skip-layer --e2e "$out/e2e35/work" \
@@ -54,6 +69,6 @@ for step in ${steps[*]}; do
             --e2e-recipes qwen3_5_moe_w8a8,qwen3_5_moe_w4a8 --e2e-mtp 0 --e2e-no-long-prefill --new-tokens 32
         rm -rf /dev/shm/npuport-e2e397 ;;
     *)
-        echo "gpu_acceptance.sh: unknown step '$step' (tests, serve, e2e35, e2e397)" >&2; exit 2 ;;
+        echo "gpu_acceptance.sh: unknown step '$step' (tests, serve, trace, int4, e2e35, e2e397)" >&2; exit 2 ;;
     esac
 done
