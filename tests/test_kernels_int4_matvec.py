@@ -102,6 +102,16 @@ def test_unpacking_gives_the_values_convert_packed():
                                                                                      unpacked.gate_up.shape)
 
 
+def bit_case(m: int, edge: bool, seed: int) -> tuple[StackedExperts, StackedExperts, torch.Tensor]:
+    """(int4 experts, their int8 twins, bf16 tokens [m, HIDDEN]); edge: the experts' values -8 and 7 only and the
+    first token's int8 values +-127 over the whole row, so that the int32 sums reach their extremes."""
+    packed, unpacked = int4_experts(EXPERTS, seed=seed, edge=edge)
+    x = torch.randn(m, HIDDEN, generator=torch.Generator().manual_seed(seed + 1)).bfloat16()
+    if edge:
+        x[0] = torch.where(torch.arange(HIDDEN) % 2 == 0, -1.0, 1.0)
+    return packed, unpacked, x
+
+
 # every token form and weight kind on the wider tiles; the narrow tiles (one row pair a program, K in 16s, interpreted
 # slowly: 9 s a case) on the hardest case only
 BIT_CASES = [(TILES[0], tokens, edge) for tokens in ("float", "int8") for edge in (False, True)] + [
@@ -115,11 +125,7 @@ def test_int4_matvec_gives_the_int8_kernels_bits_on_the_unpacked_weights(config,
     unpacked values, every bit - from float tokens (quantized in the kernel) and from tokens quantized beforehand;
     with edge values the int32 sums reach their extremes (|x_q| 127 or 128 times 8)."""
     m, top_k = 3, 2
-    packed, unpacked = int4_experts(EXPERTS, seed=3, edge=edge)
-    gen = torch.Generator().manual_seed(4)
-    x = torch.randn(m, HIDDEN, generator=gen).bfloat16()
-    if edge:
-        x[0] = torch.where(torch.arange(HIDDEN) % 2 == 0, -1.0, 1.0)  # int8 values +-127 over the whole row
+    packed, unpacked, x = bit_case(m, edge, seed=3)
     ids, weights = routing(m, top_k, EXPERTS, seed=5)
     if tokens == "int8":
         x_q, x_s = quantize_per_token_int8_reference(x)
@@ -187,14 +193,10 @@ def test_the_int4_grouped_gemm_gives_the_int8_grouped_gemms_bits_on_the_unpacked
     whatever their grouping; with edge values they reach their extremes. And the down projection equals the per-row
     int8 reference (int8_matmul_rescale_reference on the unpacked expert) bit for bit."""
     m, top_k = 7, 2
-    packed, unpacked = int4_experts(EXPERTS, seed=21, edge=edge)
-    gen = torch.Generator().manual_seed(22)
-    x = torch.randn(m, HIDDEN, generator=gen).bfloat16()
-    if edge:
-        x[0] = torch.where(torch.arange(HIDDEN) % 2 == 0, -1.0, 1.0)  # int8 values +-127 over the whole row
+    packed, unpacked, x = bit_case(m, edge, seed=21)
     x_q, x_s = quantize_per_token_int8_reference(x)
     ids, _ = routing(m, top_k, EXPERTS, seed=23)
-    route_weight = torch.rand(m * top_k, generator=gen).bfloat16()
+    route_weight = torch.rand(m * top_k, generator=torch.Generator().manual_seed(24)).bfloat16()
     grouped = group_by_expert(ids, EXPERTS, config.block)
     h = grouped_gemm(x_q, x_s.reshape(-1), packed.gate_up, packed.gate_up_scale, grouped, top_k, torch.bfloat16,
                      config, gated=True, int4=True)
