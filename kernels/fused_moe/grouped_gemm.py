@@ -16,6 +16,7 @@ from dataclasses import dataclass
 import torch
 
 from npuport.devices import is_gpu, shared_memory_per_block
+from npuport.kernels.fused_moe.int4_tiles import load_nibbles
 from npuport.kernels.fused_moe.routing import BlockRouting
 from npuport.kernels.launch import jit, launch, launch_options, persistent_grid, stages_within, tl, unit_last_stride
 
@@ -53,16 +54,6 @@ def grouped_stages(config: GroupedConfig, element_bytes: int, gated: bool, share
 
 
 @jit
-def _nibble_tiles(pairs_ptrs, mask):
-    """(low, high) int8 [BK, BN/2]: the sign-extended low and high nibbles of the byte tile at pairs_ptrs - the
-    tile's even and odd weight rows (columns here)."""
-    b = tl.load(pairs_ptrs, mask=mask, other=0).to(tl.int32)
-    low = ((b & 0xF) ^ 8) - 8  # sign-extends the low nibble
-    high = b >> 4  # b sign-extended from int8: the arithmetic shift leaves the high nibble, signed
-    return low.to(tl.int8), high.to(tl.int8)
-
-
-@jit
 def _int4_sums(a_ptrs, r_ok, w_e, n0, N, K, sw_n, BLOCK: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr,
                GATED: tl.constexpr):
     """(acc, acc_up) int32 [BLOCK, BN]: the int8 rows at a_ptrs times weight rows [n0, n0 + BN) of one expert's
@@ -80,13 +71,13 @@ def _int4_sums(a_ptrs, r_ok, w_e, n0, N, K, sw_n, BLOCK: tl.constexpr, BN: tl.co
     for k0 in range(0, K, BK):
         k_ok = k0 + rk < K
         x = tl.load(a_ptrs + k0, mask=r_ok[:, None] & k_ok[None, :], other=0)
-        low, high = _nibble_tiles(p_ptrs + k0, k_ok[:, None] & p_ok[None, :])
-        even = tl.dot(x, low, even, out_dtype=tl.int32)
-        odd = tl.dot(x, high, odd, out_dtype=tl.int32)
+        low, high = load_nibbles(p_ptrs + k0, k_ok[:, None] & p_ok[None, :])  # the tile's even and odd columns
+        even = tl.dot(x, low.to(tl.int8), even, out_dtype=tl.int32)
+        odd = tl.dot(x, high.to(tl.int8), odd, out_dtype=tl.int32)
         if GATED:
-            low, high = _nibble_tiles(up_ptrs + k0, k_ok[:, None] & p_ok[None, :])
-            up_even = tl.dot(x, low, up_even, out_dtype=tl.int32)
-            up_odd = tl.dot(x, high, up_odd, out_dtype=tl.int32)
+            low, high = load_nibbles(up_ptrs + k0, k_ok[:, None] & p_ok[None, :])
+            up_even = tl.dot(x, low.to(tl.int8), up_even, out_dtype=tl.int32)
+            up_odd = tl.dot(x, high.to(tl.int8), up_odd, out_dtype=tl.int32)
     return tl.interleave(even, odd), tl.interleave(up_even, up_odd)
 
 
@@ -177,7 +168,8 @@ def grouped_gemm(a: torch.Tensor, a_scale: torch.Tensor | None, w: torch.Tensor,
     if int4 and (not int8 or config.bn % 2):
         raise ValueError(f"int4 experts are int8 bytes read in column tiles of whole row pairs, got {w.dtype} and "
                          f"tiles of {config.bn}")
-    n = (w.shape[1] if gated else 2 * w.shape[1]) if int4 else (w.shape[1] // 2 if gated else w.shape[1])
+    rows = w.shape[1] * (2 if int4 else 1)  # of the unpacked weight
+    n = rows // 2 if gated else rows
     k = w.shape[2]
     a = unit_last_stride(a)
     out = torch.empty(routing.pairs, n, dtype=out_dtype, device=a.device)

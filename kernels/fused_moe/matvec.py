@@ -20,6 +20,7 @@ from dataclasses import dataclass
 import torch
 
 from npuport.kernels.fused_moe.experts import StackedExperts
+from npuport.kernels.fused_moe.int4_tiles import load_nibbles
 from npuport.kernels.launch import is_npu, jit, launch, launch_options, persistent_grid, tl
 from npuport.kernels.w8a8.quantize import to_int8_values, token_scale
 
@@ -103,9 +104,7 @@ def _pairs_times_tile(x_int, w_pairs, k0, K, pair_ok, BK: tl.constexpr):
     """(even, odd) int32 [BN/2]: sum over k in [k0, k0 + BK) of x_int[k] times the low, and the high, signed
     nibble of byte w_pairs[j, k] - rows 2j and 2j + 1 of the unpacked weight."""
     rk = k0 + tl.arange(0, BK)
-    b = tl.load(w_pairs + rk[None, :], mask=pair_ok[:, None] & (rk < K)[None, :], other=0).to(tl.int32)
-    low = ((b & 0xF) ^ 8) - 8  # sign-extends the low nibble
-    high = b >> 4  # b sign-extended from int8: the arithmetic shift leaves the high nibble, signed
+    low, high = load_nibbles(w_pairs + rk[None, :], pair_ok[:, None] & (rk < K)[None, :])
     return tl.sum(low * x_int[None, :], 1), tl.sum(high * x_int[None, :], 1)
 
 
