@@ -21,28 +21,21 @@ from __future__ import annotations
 
 import argparse
 import gc
-import importlib.util
 import json
+import sys
 from pathlib import Path
 
 import torch
 
 from npuport.convert.w4a8 import pack_int4
-from npuport.devices import timed_graph
 from npuport.kernels.fused_moe import GROUPED, MATVEC, StackedExperts, plan_experts_triton, route_top_k, run_experts
 
-# The routed experts' widths of the MoE models (QWEN35.md): hidden, experts, top-k, expert intermediate.
-WIDTHS = {"35B-A3B": (2048, 256, 8, 512), "122B-A10B": (3072, 256, 8, 1024), "397B-A17B": (4096, 512, 10, 1024)}
-CALLS = 24
-ROUNDS = 5
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
+# the MoE widths, the copy bandwidth and the graph timing of bench/moe.py's layer figures
+from bench.moe import MOE_WIDTHS, bench_module, graph_us  # noqa: E402
 
-def bench_peaks() -> dict:
-    """bench/kernels.py's ceilings (copy bandwidth among them), loaded by path: bench/ stays off the import path."""
-    spec = importlib.util.spec_from_file_location("bench_kernels", Path(__file__).parent / "kernels.py")
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module.bench_peaks()
+CUDA = torch.device("cuda")
 
 
 def int4_layer(hidden: int, experts: int, inter: int, seed: int) -> tuple[StackedExperts, StackedExperts]:
@@ -58,13 +51,6 @@ def int4_layer(hidden: int, experts: int, inter: int, seed: int) -> tuple[Stacke
             StackedExperts(gate_up, down, gate_up_scale, down_scale))
 
 
-def graph_us(fns: list) -> float:
-    """Microseconds per call of a CUDA graph of CALLS calls cycling over fns (fastest of ROUNDS replays)."""
-    turn = iter(range(10**9))
-    replay = timed_graph(lambda: fns[next(turn) % len(fns)](), torch.device("cuda"), CALLS)
-    return min(replay() for _ in range(ROUNDS)) * 1000
-
-
 def touched_bytes(experts: StackedExperts, ids: torch.Tensor) -> int:
     """The bytes of the experts `ids` route to: weights (as stored) and their scales."""
     per_expert = (experts.gate_up[0].numel() + experts.down[0].numel()
@@ -73,7 +59,7 @@ def touched_bytes(experts: StackedExperts, ids: torch.Tensor) -> int:
 
 
 def measure(like: str, m: int, layers: list[tuple[StackedExperts, StackedExperts]], copy_bps: float) -> dict:
-    hidden, experts, top_k, _ = WIDTHS[like]
+    hidden, experts, top_k, _, _ = MOE_WIDTHS[like]
     gen = torch.Generator(device="cuda").manual_seed(m)
     calls = []
     for _ in layers:
@@ -89,7 +75,7 @@ def measure(like: str, m: int, layers: list[tuple[StackedExperts, StackedExperts
             plan = plan_of(x, ex, ids)
             fns.append(lambda p=plan, x=x, e=ex, w=weights, i=ids:
                        run_experts(p, x, e.unpacked() if unpack else e, w, i))
-        row["us"][name] = graph_us(fns)
+        row["us"][name] = graph_us(fns, CUDA)
         bytes_ = sum(touched_bytes(experts_of(*layer), ids) for layer, (_, _, ids) in zip(layers, calls, strict=True))
         row["bandwidth_share"][name] = bytes_ / len(layers) / (row["us"][name] / 1e6) / copy_bps
 
@@ -122,16 +108,16 @@ def measure(like: str, m: int, layers: list[tuple[StackedExperts, StackedExperts
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--out", type=Path, required=True)
-    parser.add_argument("--like", default="35B-A3B,397B-A17B", help=f"Comma list of {', '.join(WIDTHS)}.")
+    parser.add_argument("--like", default="35B-A3B,397B-A17B", help=f"Comma list of {', '.join(MOE_WIDTHS)}.")
     parser.add_argument("--tokens", default="8,32,64,128,512,4096")
     parser.add_argument("--layers", type=int, default=2, help="Layers with their own weights to rotate over.")
     args = parser.parse_args()
     args.out.mkdir(parents=True, exist_ok=True)
     result: dict = {"device": torch.cuda.get_device_name(), "paths": [MATVEC, GROUPED], "rows": []}
-    result["peaks"] = bench_peaks()
+    result["peaks"] = bench_module("kernels").bench_peaks()
     copy_bps = result["peaks"]["copy_GBps"] * 1e9
     for like in args.like.split(","):
-        hidden, experts, _, inter = WIDTHS[like]
+        hidden, experts, _, inter, _ = MOE_WIDTHS[like]
         layers = [int4_layer(hidden, experts, inter, seed) for seed in range(args.layers)]
         for m in [int(t) for t in args.tokens.split(",")]:
             with torch.no_grad():
