@@ -27,7 +27,7 @@ from pathlib import Path
 
 import torch
 
-from npuport.convert.w4a8 import pack_int4
+from npuport.fixtures.int4_experts import random_int4_experts
 from npuport.kernels.fused_moe import GROUPED, MATVEC, StackedExperts, plan_experts_triton, route_top_k, run_experts
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
@@ -36,19 +36,6 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from bench.moe import MOE_WIDTHS, bench_module, graph_us  # noqa: E402
 
 CUDA = torch.device("cuda")
-
-
-def int4_layer(hidden: int, experts: int, inter: int, seed: int) -> tuple[StackedExperts, StackedExperts]:
-    """(packed int4 experts, the int8 experts of the same values) on the GPU: random int4 values, per-channel scales,
-    packed by convert/w4a8.py's pack_int4 (gate and up rows pair within each half)."""
-    gen = torch.Generator(device="cuda").manual_seed(seed)
-    gate_up = torch.randint(-8, 8, (experts, 2 * inter, hidden), generator=gen, device="cuda", dtype=torch.int8)
-    down = torch.randint(-8, 8, (experts, hidden, inter), generator=gen, device="cuda", dtype=torch.int8)
-    gate_up_scale = torch.rand(experts, 2 * inter, generator=gen, device="cuda") * 2e-3 + 1e-4
-    down_scale = torch.rand(experts, hidden, generator=gen, device="cuda") * 2e-3 + 1e-4
-    packed = [torch.stack([pack_int4(w) for w in q]) for q in (gate_up, down)]
-    return (StackedExperts(packed[0], packed[1], gate_up_scale, down_scale, int4=True),
-            StackedExperts(gate_up, down, gate_up_scale, down_scale))
 
 
 def touched_bytes(experts: StackedExperts, ids: torch.Tensor) -> int:
@@ -118,7 +105,8 @@ def main() -> None:
     copy_bps = result["peaks"]["copy_GBps"] * 1e9
     for like in args.like.split(","):
         hidden, experts, _, inter, _ = MOE_WIDTHS[like]
-        layers = [int4_layer(hidden, experts, inter, seed) for seed in range(args.layers)]
+        layers = [random_int4_experts(experts, hidden, inter, torch.Generator(device="cuda").manual_seed(seed))
+                  for seed in range(args.layers)]
         for m in [int(t) for t in args.tokens.split(",")]:
             with torch.no_grad():
                 row = measure(like, m, layers, copy_bps)

@@ -19,9 +19,9 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 from npuport.convert.quantize import quantize_per_channel_int8
-from npuport.convert.w4a8 import pack_int4
 from npuport.devices import distributed_backend
 from npuport.errors import NpuportError
+from npuport.fixtures.int4_experts import packed_int4_experts
 from npuport.kernels.fused_moe import (
     GROUPED,
     MATVEC,
@@ -59,9 +59,7 @@ def int4_layer_experts() -> StackedExperts:
         return torch.clamp(torch.round(w / scale[..., None]), -8, 7).to(torch.int8), scale
 
     (gate_up, gate_up_scale), (down, down_scale) = map(values_and_scales, (weights.gate_up, weights.down))
-    packed_gate_up = torch.stack([torch.cat([pack_int4(w[:INTER]), pack_int4(w[INTER:])]) for w in gate_up])
-    packed_down = torch.stack([pack_int4(w) for w in down])
-    return StackedExperts(packed_gate_up, packed_down, gate_up_scale, down_scale, int4=True)
+    return packed_int4_experts(gate_up, down, gate_up_scale, down_scale)
 
 
 def rank_tokens(rank: int, m: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:

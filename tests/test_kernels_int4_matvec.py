@@ -14,7 +14,7 @@ import torch.nn.functional as F
 
 triton = pytest.importorskip("triton")
 
-from npuport.convert.w4a8 import pack_int4  # noqa: E402
+from npuport.fixtures.int4_experts import random_int4_experts  # noqa: E402
 from npuport.kernels.fused_moe import (  # noqa: E402
     GROUPED,
     MATVEC,
@@ -54,21 +54,8 @@ def decode_nibbles(packed: torch.Tensor) -> torch.Tensor:
 def int4_experts(experts: int, seed: int, hidden: int = HIDDEN, inter: int = INTER, edge: bool = False
                  ) -> tuple[StackedExperts, StackedExperts]:
     """(int4 experts, the int8 experts of the same values): random int4 values, or (edge) only -8 and 7; random
-    positive per-channel scales. Packed by convert/w4a8.py's pack_int4, one projection at a time."""
-    gen = torch.Generator().manual_seed(seed)
-
-    def values(*shape):
-        if edge:
-            return torch.where(torch.rand(*shape, generator=gen) < 0.5, -8, 7).to(torch.int8)
-        return torch.randint(-8, 8, shape, generator=gen, dtype=torch.int8)
-
-    gate_up, down = values(experts, 2 * inter, hidden), values(experts, hidden, inter)
-    gate_up_scale = torch.rand(experts, 2 * inter, generator=gen) * 0.02 + 1e-3
-    down_scale = torch.rand(experts, hidden, generator=gen) * 0.02 + 1e-3
-    packed_gate_up = torch.stack([torch.cat([pack_int4(w[:inter]), pack_int4(w[inter:])]) for w in gate_up])
-    packed_down = torch.stack([pack_int4(w) for w in down])
-    return (StackedExperts(packed_gate_up, packed_down, gate_up_scale, down_scale, int4=True),
-            StackedExperts(gate_up, down, gate_up_scale, down_scale))
+    positive per-channel scales."""
+    return random_int4_experts(experts, hidden, inter, torch.Generator().manual_seed(seed), max_scale=0.02, edge=edge)
 
 
 def routing(m: int, top_k: int, experts: int, seed: int) -> tuple[torch.Tensor, torch.Tensor]:

@@ -295,18 +295,10 @@ INT4_WIDTHS = {"35B-A3B": (2048, 256, 8, 512), "397B-A17B": (4096, 512, 10, 1024
 
 
 def int4_experts(hidden: int, experts: int, inter: int) -> tuple[StackedExperts, StackedExperts]:
-    """(packed int4 experts, the int8 experts of the same values): random int4 values with per-channel scales,
-    packed by convert/w4a8.py's pack_int4 (gate and up rows pair within each half: I is even)."""
-    from npuport.convert.w4a8 import pack_int4
+    """(packed int4 experts, the int8 experts of the same values) on the GPU, seeded by the widths."""
+    from npuport.fixtures.int4_experts import random_int4_experts
 
-    gen = torch.Generator(device=CUDA).manual_seed(hidden + experts)
-    gate_up = torch.randint(-8, 8, (experts, 2 * inter, hidden), generator=gen, device=CUDA, dtype=torch.int8)
-    down = torch.randint(-8, 8, (experts, hidden, inter), generator=gen, device=CUDA, dtype=torch.int8)
-    gate_up_scale = torch.rand(experts, 2 * inter, generator=gen, device=CUDA) * 2e-3 + 1e-4
-    down_scale = torch.rand(experts, hidden, generator=gen, device=CUDA) * 2e-3 + 1e-4
-    packed = [torch.stack([pack_int4(w) for w in q]) for q in (gate_up, down)]
-    return (StackedExperts(packed[0], packed[1], gate_up_scale, down_scale, int4=True),
-            StackedExperts(gate_up, down, gate_up_scale, down_scale))
+    return random_int4_experts(experts, hidden, inter, torch.Generator(device=CUDA).manual_seed(hidden + experts))
 
 
 @pytest.mark.parametrize("like", sorted(INT4_WIDTHS))
