@@ -4,13 +4,13 @@
 # - tests:  the GPU tests of continuous batching, decode graphs captured up front, batch-invariant steps and W4A8
 #           (the int4 matvec kernels and grouped GEMMs at real widths, greedy MTP == greedy for a W4A8 artifact);
 # - serve:  issue 41's acceptance: serve with 32 clients against the engine's batch of 32, 35B-A3B widths, 8 layers,
-#           W8A8, MTP off and k = 1, serve's default prefill budget and 16,384 tokens a step
+#           W8A8, MTP off and k = 1, serve's default prefill budget (16,384 tokens a step on a GPU since run AA2)
 #           (bench/serve_engine_ratio.py; `graph_captures_timed` should be 0; `prefill_seconds_timed` and
 #           `decode_seconds_timed` say where serve's time goes);
 # - trace:  the batcher's calls timed in process, directly and behind HTTP (bench/serve_trace.py), same model;
 # - int4:   W4A8 experts on each kernel path against W8A8's, 35B-A3B and 397B-A17B widths (bench/int4_experts.py):
 #           whether the int4 grouped GEMM beats unpacking per call, and where it overtakes the int4 matvec kernels
-#           (plan.py's INT4_MATVEC_PAIRS_PER_EXPERT);
+#           (plan.py's INT4_MATVEC_PAIRS_PER_EXPERT, set from its run of 2026-12-07);
 # - e2e35:  issue 40: W4A8 vs W8A8 vs BF16 decode per token, 35B-A3B widths, 4 layers (bench/moe.py --e2e);
 # - e2e397: the same at 397B-A17B widths, 1 layer: a 29 GB source, its artifacts under /dev/shm (a 64 GB disk
 #           holds the source and one artifact, not three); on an H100 the source took 29 s and both conversions
@@ -50,7 +50,7 @@ for step in ${steps[*]}; do
     serve)
         serve_model
         timeout 540 python -P bench/serve_engine_ratio.py --out "$out/serve" --model "$models/w8a8_35_8" \
-            --mtp 0,1 --prefill-tokens default,16384 --requests-per-client 4 ;;
+            --mtp 0,1 --prefill-tokens default --requests-per-client 4 ;;
     trace)
         serve_model
         timeout 280 python -P bench/serve_trace.py --out "$out/trace" --model "$models/w8a8_35_8" \

@@ -571,7 +571,7 @@ def validate_cmd(artifact: Path | None, gsm8k: bool, protocol: str, data: Path |
 @click.option("--prefill-tokens", type=click.IntRange(min=1), default=None,
               help="Prompt tokens prefilled per step, over all prompts being prefilled, between the running rows' "
                    "decode steps: a long prompt is prefilled in chunks, so that it delays the others' tokens by one "
-                   "chunk at a time. Default: 1024 on a CPU, 4096 on a GPU / NPU.")
+                   "chunk at a time. Default: 1024 on a CPU, 16384 on a GPU / NPU.")
 @click.option("--batch-invariant/--no-batch-invariant", default=None,
               help="Every answer bit for bit the one its request gets alone: each row generated in a call of its "
                    "own (requests wait for each other instead of sharing a batch), on batch-invariant steps where "

@@ -226,7 +226,7 @@ def test_a_float_shared_expert_rides_along_with_int4_experts(m):
     x = torch.randn(m, HIDDEN, generator=gen).bfloat16()
     ids, weights = routing(m, 2, EXPERTS, seed=13)
     shared_weight = torch.rand(m, 1, generator=gen).bfloat16()
-    plan = plan_experts_triton(x, packed, ids, shared=shared)
+    plan = plan_experts_triton(x, packed, ids, shared=shared, matvec_max_pairs=ids.numel())  # matvec at m = 5 too
     assert (plan.path, plan.shared) == (MATVEC, SLOT)
     got = run_experts(plan, x, packed, weights, ids, shared=(shared, shared_weight))
     assert torch.equal(got, run_experts(plan, x, unpacked, weights, ids, shared=(shared, shared_weight)))
@@ -265,6 +265,7 @@ def test_a_w4a8_artifact_decodes_the_same_tokens_from_packed_int4_experts(w4a8_a
     """The loader keeps the experts packed where the int4 kernels run (forced here on CPU): half the expert bytes,
     the int8 experts' logits bit for bit (both through the kernels), the greedy tokens of the CPU path that unpacks
     them at load (its references), and greedy MTP == greedy."""
+    import npuport.kernels.fused_moe.plan as plan_module
     import npuport.runtime.loader as loader_module
     from npuport.runtime.generate import forward_logits, generate
     from npuport.runtime.loader import load_model
@@ -282,6 +283,9 @@ def test_a_w4a8_artifact_decodes_the_same_tokens_from_packed_int4_experts(w4a8_a
         assert torch.equal(p.stacked().unpacked().gate_up, u.gate_up_proj)
         assert torch.equal(p.gate_up_proj_scale, u.gate_up_proj_scale)
     experts_as_on_a_gpu(monkeypatch)
+    # the int8 experts take the path the int4 ones take at each token count (the paths round alike, not the same)
+    experts = layers[0][0].stacked().num_experts
+    monkeypatch.setattr(plan_module, "MATVEC_MAX_PAIRS", int(plan_module.INT4_MATVEC_PAIRS_PER_EXPERT * experts))
     assert torch.equal(forward_logits(packed, PROMPTS)[0], forward_logits(unpacked, PROMPTS)[0])
     tokens = generate(packed, PROMPTS, MAX_NEW).tokens
     assert tokens == cpu_tokens
@@ -290,19 +294,21 @@ def test_a_w4a8_artifact_decodes_the_same_tokens_from_packed_int4_experts(w4a8_a
 
 @pytest.mark.parametrize("experts", [4, 16])
 def test_int4_experts_take_the_matvec_kernels_up_to_pairs_in_proportion_to_their_number(experts):
-    """The matvec kernels serve int4 experts up to 4 routed pairs an expert (a 397B-A17B layer's 512 experts: batch
-    32 at top 10 is 320 pairs, matvec), the grouped GEMMs beyond; int8 experts of the same shape keep their fixed
-    limit of 128 pairs."""
-    from npuport.kernels.fused_moe import GROUPED, MATVEC, plan_experts_triton
+    """The matvec kernels serve int4 experts up to INT4_MATVEC_PAIRS_PER_EXPERT routed pairs an expert (1.5: at
+    397B-A17B's 512 experts and top 10, batch 32's 320 pairs take them, an MTP k = 1 verify step's 640 too), the
+    grouped GEMMs beyond; int8 experts of the same shape keep their fixed limit of MATVEC_MAX_PAIRS."""
+    from npuport.kernels.fused_moe import GROUPED, MATVEC, MATVEC_MAX_PAIRS, plan_experts_triton
+    from npuport.kernels.fused_moe.plan import INT4_MATVEC_PAIRS_PER_EXPERT
 
     packed, unpacked = int4_experts(experts, seed=9)
     top_k = 2
-    for tokens in (2 * experts, 2 * experts + 1):
+    limit = int(INT4_MATVEC_PAIRS_PER_EXPERT * experts)
+    for tokens in (limit // top_k, limit // top_k + 1):
         x = torch.randn(tokens, HIDDEN).bfloat16()
         ids = torch.zeros(tokens, top_k, dtype=torch.int64)
-        want = MATVEC if tokens * top_k <= 4 * experts else GROUPED
+        want = MATVEC if tokens * top_k <= limit else GROUPED
         assert plan_experts_triton(x, packed, ids).path == want
-        assert plan_experts_triton(x, unpacked, ids).path == (MATVEC if tokens * top_k <= 128 else GROUPED)
+        assert plan_experts_triton(x, unpacked, ids).path == (MATVEC if tokens * top_k <= MATVEC_MAX_PAIRS else GROUPED)
 
 
 @pytest.mark.parametrize("pairs", [320, 8192, 40960], ids=["decode", "short prefill", "long prefill"])

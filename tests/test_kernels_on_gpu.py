@@ -307,7 +307,7 @@ def test_int4_matvec_at_real_widths_gives_the_int8_bits_and_runs_in_a_graph(like
     """W4A8 experts read as int4 by the matvec kernels at 35B-A3B and 397B-A17B widths, decode batches 1 / 8 / 32
     with the tiles the plan picks for them: the int8 kernels' bits on the unpacked values; the reference (unpack,
     then the int8 arithmetic) equal but for rare silu-ulp rows; the whole call (its plan: matvec up to
-    INT4_MATVEC_PAIRS_PER_EXPERT routed pairs per expert, else the grouped GEMMs on the experts unpacked for the call)
+    INT4_MATVEC_PAIRS_PER_EXPERT routed pairs per expert, else the int4 grouped GEMMs)
     captured in a graph and replayed on a new batch as eager."""
     hidden, experts, top_k, inter = INT4_WIDTHS[like]
     packed, unpacked = int4_experts(hidden, experts, inter)

@@ -27,13 +27,13 @@ SHARED_WAYS = (SLOT, MATVEC, REFERENCE)
 # serve every row of an expert at once. At the 35B-A3B widths on an H200 the matvec kernels were 1.4-2x faster at
 # 128 pairs (bench/RESULTS.md).
 MATVEC_MAX_PAIRS = 128
-# int4 experts: the matvec kernels serve routed pairs up to a number that grows with the experts. Set when the
-# grouped GEMMs took every expert unpacked by PyTorch for the call - 1.2-1.4 ms a 35B-A3B layer (256 experts) on an
-# H200, where the int4 matvec kernels took 208 us at 256 pairs (32 tokens); at 397B-A17B widths (512 experts, top
-# 10) a fixed 256 sent batch 32's 320 pairs there, and a decode step took 22.7 ms against W8A8's 2.3 ms (H100,
-# bench/RESULTS.md). The grouped GEMMs now read int4 themselves (grouped_gemm.py); where between MATVEC_MAX_PAIRS
-# and this limit each path is faster for int4 experts is bench/int4_experts.py's to measure, and not yet measured.
-INT4_MATVEC_PAIRS_PER_EXPERT = 4
+# int4 experts: the matvec kernels serve routed pairs up to this many for each expert of the call, the grouped GEMMs
+# (reading int4 themselves, grouped_gemm.py) beyond. Where they cross, measured on an H100 (bench/int4_experts.py,
+# bench/RESULTS.md): about 1.25 pairs an expert at 397B-A17B widths (512 experts: matvec 12% faster at 0.94, the
+# grouped GEMMs 3% faster at 1.25 and 32% at 1.9) and about 2 at 35B-A3B widths (256 experts: matvec 27% faster at
+# 1.5, even at 2, grouped 37% faster at 3). In proportion to the experts, the limit follows an expert-parallel rank's
+# share of them.
+INT4_MATVEC_PAIRS_PER_EXPERT = 1.5
 
 
 @dataclass(frozen=True)
@@ -103,7 +103,7 @@ def plan_experts_triton(x: torch.Tensor, experts: StackedExperts, expert_ids: to
     sum, by matvec launches of its own for few tokens."""
     m, top_k = expert_ids.shape
     if matvec_max_pairs is None:
-        matvec_max_pairs = (INT4_MATVEC_PAIRS_PER_EXPERT * experts.num_experts if experts.int4
+        matvec_max_pairs = (int(INT4_MATVEC_PAIRS_PER_EXPERT * experts.num_experts) if experts.int4
                             else MATVEC_MAX_PAIRS)
     planned = m if plan_tokens is None else max(m, plan_tokens)
     arrived_int8 = tokens_int8 and experts.quantized

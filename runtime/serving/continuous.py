@@ -56,10 +56,13 @@ from npuport.runtime.text_completions import RuntimeCompletions, TextRequest, Te
 
 # Positions one iteration prefills at most, over all groups: on a CPU a chunk late in a 32k context costs about
 # 0.6 ms a position on the tiny model, and the rows that decode wait for it (1,024: under a second), while a budget
-# of one prompt an iteration starves 32 clients of short prompts (bench/RESULTS.md, "Serving benchmark"); a device
-# with graphs prefills far more in the time of a few decode steps.
+# of one prompt an iteration starves 32 clients of short prompts (bench/RESULTS.md, "Serving benchmark"). On a
+# device a prefill call costs tens of ms whatever its width (35B-A3B widths, 8 layers, H100: 3,277 positions a call
+# took 101 ms, 8,192 took 68 ms), so 32 prompts of 512 take one or two calls at 16,384, not five: serve over HTTP
+# made 0.72x the engine's batch-32 output at 16,384 against 0.39x at 4,096 in the same run (bench/RESULTS.md, run
+# AA2).
 PREFILL_TOKENS_CPU = 1024
-PREFILL_TOKENS_DEVICE = 4096
+PREFILL_TOKENS_DEVICE = 16384
 
 
 # Iterations (one decode round each) a new group may wait for more arriving rows before its first chunk, while
