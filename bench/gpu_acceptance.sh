@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# The GPU runs issues 40 and 41 still need, in the order they matter, each bounded in time, results under $1:
+# The GPU acceptance runs of issues 40 (W4A8, met in runs AA1-AA3) and 41 (serve), each bounded in time, results under $1:
 #   bash bench/gpu_acceptance.sh OUT [tests|serve|trace|int4|e2e35|e2e397 ...]   (default: tests serve int4 e2e397)
 # - tests:  the GPU tests of continuous batching, decode graphs captured up front, batch-invariant steps and W4A8
 #           (the int4 matvec kernels and grouped GEMMs at real widths, greedy MTP == greedy for a W4A8 artifact);
