@@ -105,7 +105,7 @@ def main() -> None:
     copy_bps = result["peaks"]["copy_GBps"] * 1e9
     for like in args.like.split(","):
         hidden, experts, _, inter, _ = MOE_WIDTHS[like]
-        layers = [random_int4_experts(experts, hidden, inter, torch.Generator(device="cuda").manual_seed(seed))
+        layers = [random_int4_experts(experts, hidden, inter, torch.Generator(device=CUDA).manual_seed(seed))
                   for seed in range(args.layers)]
         for m in [int(t) for t in args.tokens.split(",")]:
             with torch.no_grad():

@@ -24,6 +24,7 @@ if not torch.cuda.is_available():
     pytest.skip("needs a CUDA GPU", allow_module_level=True)
 
 from npuport.devices import DeviceGraph  # noqa: E402
+from npuport.fixtures.tiny_checkpoint import REAL_MODELS  # noqa: E402
 from npuport.kernels.causal_conv1d import (  # noqa: E402
     causal_conv1d_fn,
     causal_conv1d_fn_reference,
@@ -290,8 +291,9 @@ def test_fused_moe_at_real_sizes_and_in_a_graph(quantized, m):
     assert torch.equal(out, fused_experts(new[0], experts, new[1], new[2]))
 
 
-# The routed experts' widths of the W4A8 models: hidden, experts, top-k, expert intermediate (QWEN35.md).
-INT4_WIDTHS = {"35B-A3B": (2048, 256, 8, 512), "397B-A17B": (4096, 512, 10, 1024)}
+# The routed experts' widths of the W4A8 models: hidden, experts, top-k, expert intermediate (make-tiny's --like).
+INT4_WIDTHS = {like: (sizes.hidden_size, sizes.num_experts, sizes.num_experts_per_tok, sizes.moe_intermediate_size)
+               for like, sizes in REAL_MODELS.items() if like in ("35B-A3B", "397B-A17B")}
 
 
 def int4_experts(hidden: int, experts: int, inter: int) -> tuple[StackedExperts, StackedExperts]:

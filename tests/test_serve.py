@@ -233,3 +233,14 @@ def test_serve_starts_serving_with_its_startup_heap_frozen_out_of_the_collectors
         gc.unfreeze()
     assert seen["frozen"] > 0
     assert seen["walked"] is False
+
+
+def test_serve_help_states_the_prefill_budgets_the_batcher_uses():
+    """The CLI keeps torch out of its import, so `serve --help` states the default prefill budgets as text: they
+    must be the batcher's own."""
+    from npuport.runtime.serving.continuous import PREFILL_TOKENS_CPU, PREFILL_TOKENS_DEVICE
+
+    result = CliRunner().invoke(main, ["serve", "--help"])
+    assert result.exit_code == 0, result.output
+    assert (f"Default: {PREFILL_TOKENS_CPU} on a CPU, {PREFILL_TOKENS_DEVICE} on a GPU / NPU."
+            in " ".join(result.output.split()))
