@@ -6,7 +6,9 @@ prefilled in chunks into staging slots (rows that arrived together prefill toget
 once its last chunk is in, its slot is moved (its rows of every state tensor copied) to the next decode slot. The
 requests that decode hold slots [0, n): a decode step runs on the first `bucket(n)` slots - a view of the pool's
 tensors, captured as a graph per bucket - so it never touches a staging slot, and a slot that a finished request
-leaves is filled by moving the last one down. What a row needs between two steps lives in the pool: its last token,
+leaves is filled by moving the last one down. With graphs, a prefill chunk of slots from the first staging slot on
+runs the same way where it can (graph_prefill_shape): padded to a bucket of rows and a width, on a view of the
+staging slots, as a graph captured per shape. What a row needs between two steps lives in the pool: its last token,
 and with MTP the head's logits and output for its next drafts; each slot has its own sampler.
 
 Every function here that touches the model is mirrored (runtime/lockstep.py): on a split model the other ranks make
@@ -16,18 +18,26 @@ the same call on their parts of the pool, so the collectives inside meet; only r
 from __future__ import annotations
 
 import copy
+import functools
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 import torch
 
+from npuport.devices import DeviceGraph, graphs_supported
 from npuport.kernels.gated_delta_rule import VerifyLog
 from npuport.runtime.dispatch import dispatch
 from npuport.runtime.graphs import Steps
 from npuport.runtime.invariance import batch_invariant
 from npuport.runtime.lockstep import mirrored
 from npuport.runtime.model import Qwen35
-from npuport.runtime.prefill import mtp_prefill_chunk, prefill, rounded_capacity
+from npuport.runtime.prefill import (
+    GRAPH_PREFILL_POSITIONS,
+    mtp_prefill_chunk,
+    prefill,
+    rounded_capacity,
+    static_prefill_chunk,
+)
 from npuport.runtime.run_options import RunOptions
 from npuport.runtime.sampling import (
     SamplingParams,
@@ -41,6 +51,14 @@ from npuport.runtime.state import KVCache, ModelState, reset_state
 
 NO_STOP = -1  # the device's stop-token list when the host ends every request itself
 NO_LIMIT = 1 << 62  # the device's max_new_tokens when the host ends every request itself
+
+# A prefill chunk captured as a graph runs with static shapes: its attention reads the slots' whole caches, and its
+# capture warms up on copies of them, so a pool of more positions than this prefills eagerly.
+GRAPH_PREFILL_CAPACITY = 8192
+# The most shapes (rows, width) a pool pads prefill chunks to: each captured graph keeps its static inputs and
+# outputs (a chunk of 16,384 positions: 64 MB of hidden states at a hidden size of 2,048); a chunk of another shape
+# runs as it is.
+GRAPH_PREFILL_SHAPES = 16
 
 
 def state_rows(state: ModelState, start: int, stop: int) -> ModelState:
@@ -136,24 +154,72 @@ class SlotPool:
     head_logits: torch.Tensor | None = None  # [2 rows, V] with MTP: the head's logits for each slot's next drafts
     head_hidden: torch.Tensor | None = None  # [2 rows, hidden] with MTP: the head's output there
     steps: dict[int, Steps] = field(default_factory=dict)  # decode bucket -> its steps over slots [0, bucket)
+    staging: dict[int, Steps] = field(default_factory=dict)  # prefill bucket -> its steps over the first staging slots
+    prefill_graphs: object = None  # the memory pool the prefill graphs share (one runs at a time)
+    padded_shapes: set[tuple[int, int]] = field(default_factory=set)  # (rows, width) of the padded chunks run
 
     @property
     def capacity(self) -> int:
         return self.state.capacity
 
     def bucket(self, n: int) -> int:
-        """The slots a decode step of n requests runs on: n itself, or with graphs the next size steps are
-        captured for (powers of two up to 8, then multiples of 8), never past the decode slots."""
-        if not self.options.graphs:
-            return n
+        """The slots a decode step of n requests runs on: n itself, or with graphs graph_rows(n)."""
+        return self.graph_rows(n) if self.options.graphs else n
+
+    def graph_rows(self, n: int) -> int:
+        """The rows a graph of n rows is captured for: powers of two up to 8, then multiples of 8, never more
+        than the decode slots."""
         size = 1 << (n - 1).bit_length() if n <= 8 else -(-n // 8) * 8
         return min(size, self.rows)
 
     def steps_for(self, bucket: int) -> Steps:
         if bucket not in self.steps:
-            mtp = None if self.mtp_state is None else state_rows(self.mtp_state, 0, bucket)
-            self.steps[bucket] = Steps(self.model, state_rows(self.state, 0, bucket), mtp, self.options.graphs)
+            self.steps[bucket] = self._steps_over(0, bucket)
         return self.steps[bucket]
+
+    def staging_steps(self, bucket: int) -> Steps:
+        """The steps over staging slots [rows, rows + bucket), where prefill chunks run as graphs."""
+        if bucket not in self.staging:
+            self.staging[bucket] = self._steps_over(self.rows, self.rows + bucket)
+        if self.options.graphs and self.prefill_graphs is None:
+            self.prefill_graphs = DeviceGraph.new_pool(self.model.device)
+        return self.staging[bucket]
+
+    def _steps_over(self, start: int, stop: int) -> Steps:
+        mtp = None if self.mtp_state is None else state_rows(self.mtp_state, start, stop)
+        return Steps(self.model, state_rows(self.state, start, stop), mtp, self.options.graphs)
+
+    def drop_steps(self) -> None:
+        """Forget every captured step (their views would outlive the tensors of a grown state)."""
+        self.steps.clear()
+        self.staging.clear()
+        self.padded_shapes.clear()
+
+
+def graph_width(width: int) -> int:
+    """The width a captured prefill chunk of `width` tokens runs at: rounded up to a multiple of 16 and of a
+    quarter of the power of two at or below it (from 64 on at most a quarter wider; four widths an octave)."""
+    step = max(16, (1 << (width.bit_length() - 1)) // 4)
+    return -(-width // step) * step
+
+
+def graph_prefill_shape(pool: SlotPool, first: int, rows: int, width: int, spare: int) -> tuple[int, int] | None:
+    """The (rows, width) a prefill chunk of `rows` slots from `first`, `width` tokens wide, is padded to - as a
+    captured graph with graphs, else run eagerly with the same static shapes, so that both give the same bits - or
+    None when it runs as it is. It is padded (graph_rows, graph_width) where graphs can be captured, from the first
+    staging slot (a graph runs on fixed slots), its padding rows within the `spare` free slots after it, its padded
+    positions within GRAPH_PREFILL_POSITIONS (serve's warm-up tunes the GEMMs up to there), the pool within
+    GRAPH_PREFILL_CAPACITY, and its shape met already or room for it (GRAPH_PREFILL_SHAPES). Padding rows and
+    positions commit nothing: they leave the states of the free slots they run on as they were, and write only
+    cache positions that no query reads."""
+    if not graphs_supported(pool.model.device) or first != pool.rows or pool.capacity > GRAPH_PREFILL_CAPACITY:
+        return None
+    shape = pool.graph_rows(rows), graph_width(width)
+    if shape[0] - rows > spare or shape[0] * shape[1] > GRAPH_PREFILL_POSITIONS:
+        return None
+    if shape not in pool.padded_shapes and len(pool.padded_shapes) >= GRAPH_PREFILL_SHAPES:
+        return None
+    return shape
 
 
 def pool_of(model: Qwen35) -> SlotPool:
@@ -172,7 +238,7 @@ def open_slots(model: Qwen35, options: RunOptions, rows: int, capacity: int) -> 
     pool = model.__dict__.get("_slot_pool")
     if pool is not None and pool.rows == rows and pool.options == options:
         if capacity > pool.capacity:
-            pool.steps.clear()
+            pool.drop_steps()
             pool.state = grown_state(pool.state, capacity)
             if pool.mtp_state is not None:
                 pool.mtp_state = grown_state(pool.mtp_state, capacity)
@@ -196,11 +262,12 @@ def close_slots(model: Qwen35) -> None:
 @mirrored
 @torch.no_grad()
 def prefill_slots(model: Qwen35, first: int, chunk: Sequence[ChunkRow], width: int,
-                  samplers: Sequence[RowSampling] | None = None) -> list[int | None]:
+                  samplers: Sequence[RowSampling] | None = None, spare: int = 0) -> list[int | None]:
     """One prefill chunk of slots first.. (len(chunk) of them, one ChunkRow each, at most `width` tokens; a row
     with none is left as it is), committed, the MTP head's cache filled over the same positions. samplers: given
-    with a group's first chunk, the slots' samplers from then on (their states are reset: empty caches). Returns each
-    row's first generated token where its chunk ended its prompt, else None."""
+    with a group's first chunk, the slots' samplers from then on (their states are reset: empty caches). spare: the
+    free slots after the chunk's, which a chunk padded to run as a captured graph may run over (graph_prefill_shape).
+    Returns each row's first generated token where its chunk ended its prompt, else None."""
     pool = pool_of(model)
     rows, device = len(chunk), model.device
     if samplers is not None:
@@ -210,15 +277,26 @@ def prefill_slots(model: Qwen35, first: int, chunk: Sequence[ChunkRow], width: i
         for state in (pool.state, pool.mtp_state):
             if state is not None:
                 reset_state(state_rows(state, first, first + rows))
-    view = state_rows(pool.state, first, first + rows)
-    tokens = torch.zeros(rows, width, dtype=torch.long, device=device)
+    shape = graph_prefill_shape(pool, first, rows, width, spare)
+    if shape is not None:
+        pool.padded_shapes.add(shape)
+    steps = None if shape is None else pool.staging_steps(shape[0])
+    padded_rows, padded_width = shape or (rows, width)
+    host_tokens = torch.zeros(padded_rows, padded_width, dtype=torch.long)  # padding rows: no real token
     for b, part in enumerate(chunk):
-        tokens[b, :len(part.tokens)] = torch.tensor(part.tokens, dtype=torch.long)
-    n_valid = torch.tensor([len(part.tokens) for part in chunk], device=device)
+        host_tokens[b, :len(part.tokens)] = torch.tensor(part.tokens, dtype=torch.long)
+    host_valid = torch.zeros(padded_rows, dtype=torch.long)
+    host_valid[:rows] = torch.tensor([len(part.tokens) for part in chunk], dtype=torch.long)
+    tokens, n_valid = host_tokens.to(device), host_valid.to(device)
     ending = [b for b, part in enumerate(chunk) if part.tokens and part.after is None]
     last = (n_valid - 1).clamp_min(0)
     with dispatch(bf16=pool.options.dispatch.bf16):
-        hidden = prefill(model, view, tokens, n_valid, width)  # [rows, width, hidden]
+        if steps is None:
+            hidden = prefill(model, state_rows(pool.state, first, first + rows), tokens, n_valid, width)
+        else:
+            hidden = steps.run(("prefill", padded_width), functools.partial(static_prefill_chunk, model),
+                               (steps.state,), [tokens, n_valid], pool.prefill_graphs)
+        # hidden: [padded_rows, padded_width, hidden]
         firsts: list[int | None] = [None] * rows
         if ending:
             at = torch.tensor(ending, device=device)
@@ -228,23 +306,32 @@ def prefill_slots(model: Qwen35, first: int, chunk: Sequence[ChunkRow], width: i
             for b, token in zip(ending, chosen.tolist(), strict=True):
                 firsts[b] = token
         if pool.mtp_state is not None:
-            _prefill_head(pool, first, chunk, tokens, hidden, last, n_valid, firsts)
+            _prefill_head(pool, first, chunk, host_tokens, hidden, last, n_valid, firsts, steps)
     return firsts
 
 
-def _prefill_head(pool: SlotPool, first: int, chunk: Sequence[ChunkRow], tokens: torch.Tensor, hidden: torch.Tensor,
-                  last: torch.Tensor, n_valid: torch.Tensor, firsts: list[int | None]) -> None:
-    """The MTP head over a prefill chunk's positions: position t pairs the token after it (the prompt's, or the
-    first generated token after the prompt's last) with the target's hidden there; for the rows whose prompt
-    ended, its logits and output at the last position are kept for their first drafts."""
+def _prefill_head(pool: SlotPool, first: int, chunk: Sequence[ChunkRow], host_tokens: torch.Tensor,
+                  hidden: torch.Tensor, last: torch.Tensor, n_valid: torch.Tensor, firsts: list[int | None],
+                  steps: Steps | None) -> None:
+    """The MTP head over a prefill chunk's positions (host_tokens [R, W] on the host, hidden [R, W, hidden], last
+    and n_valid [R]; R >= len(chunk) rows: the chunk's, then padding rows): position t pairs the token after it
+    (the prompt's, or the first generated token after the prompt's last) with the target's hidden there; for the
+    rows whose prompt ended, its logits and output at the last position are kept for their first drafts. steps:
+    the staging slots' steps when the chunk runs as a captured graph, else None."""
     rows = len(chunk)
-    following = tokens.roll(-1, dims=1)
+    following = host_tokens.roll(-1, dims=1)
     for b, part in enumerate(chunk):
         if part.tokens:
             following[b, len(part.tokens) - 1] = part.after if part.after is not None else firsts[b]
-    view = state_rows(pool.mtp_state, first, first + rows)
+    following = following.to(hidden.device)
+    direct = functools.partial(mtp_prefill_chunk, pool.model)
     with batch_invariant(None):
-        logits, out = mtp_prefill_chunk(pool.model, view, following, hidden, last, n_valid)
+        if steps is None:
+            view = state_rows(pool.mtp_state, first, first + rows)
+            logits, out = direct(view, following, hidden, last, n_valid)
+        else:
+            logits, out = steps.run(("mtp prefill", following.shape[1]), direct, (steps.mtp_state,),
+                                    [following, hidden, last, n_valid], pool.prefill_graphs)
     ending = [b for b in range(rows) if firsts[b] is not None]
     if not ending:
         return

@@ -229,9 +229,10 @@ class RuntimeCompletions:
         return slots.open_slots(self.model, self.options, rows, capacity)
 
     def prefill_slots(self, first: int, chunk: Sequence[slots.ChunkRow], width: int,
-                      samplers: Sequence[slots.RowSampling] | None = None) -> list[int | None]:
-        """One prefill chunk of slots first.. (slots.prefill_slots); each row's first token where its prompt ended."""
-        return slots.prefill_slots(self.model, first, chunk, width, samplers)
+                      samplers: Sequence[slots.RowSampling] | None = None, spare: int = 0) -> list[int | None]:
+        """One prefill chunk of slots first.. (slots.prefill_slots; spare: the free slots after them); each row's
+        first token where its prompt ended."""
+        return slots.prefill_slots(self.model, first, chunk, width, samplers, spare)
 
     def capture_decode_steps(self) -> int:
         """With graphs, the decode step of every bucket of the pool captured now (slots.capture_decode_steps)."""

@@ -16,8 +16,10 @@ import pytest
 import torch
 
 from npuport.fixtures.train_tiny import trained_tiny_path
+from npuport.runtime import slots
 from npuport.runtime.generate import SYNC_EVERY, generate
 from npuport.runtime.loader import load_model
+from npuport.runtime.prefill import GRAPH_PREFILL_POSITIONS
 from npuport.runtime.run_options import run_options
 from npuport.runtime.sampling import SamplingParams
 from npuport.runtime.serving import continuous
@@ -25,11 +27,16 @@ from npuport.runtime.serving.batching import Job
 from npuport.runtime.serving.continuous import WIDTH_STEP, ContinuousBatcher, chunk_width, group_width, warm_up_shapes
 from npuport.runtime.serving.serve import make_server
 from npuport.runtime.slots import (
+    GRAPH_PREFILL_CAPACITY,
+    GRAPH_PREFILL_SHAPES,
     ChunkRow,
     RowSampling,
     decode_slots,
+    graph_prefill_shape,
+    graph_width,
     move_slots,
     open_slots,
+    pool_of,
     prefill_slots,
     warm_up_prefill,
 )
@@ -205,16 +212,18 @@ def test_a_cancelled_request_stops_its_prefill(runner64, long_request, monkeypat
     chunks: list[int] = []
     prefill = runner64.prefill_slots
 
-    def counted(first, chunk, width, samplers=None):
+    def counted(first, chunk, width, samplers=None, spare=0):
         chunks.append(first)
-        return prefill(first, chunk, width, samplers)
+        return prefill(first, chunk, width, samplers, spare)
 
     monkeypatch.setattr(runner64, "prefill_slots", counted)
     batcher = ContinuousBatcher(runner64, 4, prefill_tokens=64)
     try:
         job = Job([TextRequest(p, 4) for p in long_request], SamplingParams())
         batcher.submit(job)
-        while len(chunks) < 3:
+        deadline = time.monotonic() + 60
+        while len(chunks) < 3 and not job.future.done():
+            assert time.monotonic() < deadline, "the long request's prefill did not start"
             time.sleep(0.01)
         job.cancel()
         answers = job.future.result(timeout=60)
@@ -232,11 +241,13 @@ def test_prefill_chunks_run_at_the_width_their_prompts_need_in_multiples_of_16(r
     prompts admitted together take 1,024 / 3 = 341 -> 336 positions a row a chunk, their last chunk the 28 left
     (-> 32); every answer is generate()'s alone."""
     widths: list[tuple[int, int]] = []  # (width, longest part) of each chunk
+    free: list[tuple[int, int]] = []  # (first slot, free slots after the chunk's) of each chunk
     prefill = runner64.prefill_slots
 
-    def recorded(first, chunk, width, samplers=None):
+    def recorded(first, chunk, width, samplers=None, spare=0):
         widths.append((width, max(len(part.tokens) for part in chunk)))
-        return prefill(first, chunk, width, samplers)
+        free.append((first, spare))
+        return prefill(first, chunk, width, samplers, spare)
 
     monkeypatch.setattr(runner64, "prefill_slots", recorded)
     batcher = ContinuousBatcher(runner64, 4, prefill_tokens=1024)
@@ -251,6 +262,7 @@ def test_prefill_chunks_run_at_the_width_their_prompts_need_in_multiples_of_16(r
         batcher.close(30)
     assert lone_widths == [(112, 100)]
     assert widths[len(lone_widths):] == [(336, 336), (336, 336), (32, 28)]
+    assert free == [(4, 3)] + [(4, 1)] * 3  # staging slots 4..7: what a chunk padded as a graph may run over
     for prompt, answer in zip([lone, *three], [*lone_answer, *three_answer], strict=True):
         assert answer.result.token_ids == generate(runner64.model, [prompt], 3, runner64.options,
                                                    stop_tokens=runner64.stop_tokens).tokens[0]
@@ -321,6 +333,112 @@ def test_the_warm_up_meets_every_chunk_shape_the_batcher_can_form(budget):
             m = rows * chunk_width(width, longest)
             assert m <= budget
             assert (triton_class(rows), (m - 1).bit_length()) in warmed, (rows, longest)
+
+
+@pytest.fixture
+def graph_device(monkeypatch):
+    """The CPU taken for a device that captures graphs, where slots pads prefill chunks (graph_prefill_shape): the
+    padded chunks run eagerly here (the run options say no graphs), with the static shapes a graph captures."""
+    monkeypatch.setattr(slots, "graphs_supported", lambda device: True)
+
+
+def pool_with(model, rows: int, capacity: int = 256):
+    open_slots(model, run_options(model, 0), rows, capacity)
+    return pool_of(model)
+
+
+@pytest.mark.parametrize("budget", [16384, 4096, 1024])
+def test_the_warm_up_meets_every_chunk_padded_to_run_as_a_graph(model64, budget, graph_device):
+    """Every shape slots.graph_prefill_shape pads a chunk of the batcher's to (any rows of a 64-row pool, any width
+    up to the budget's) falls in a pair warm_up_shapes(budget, GRAPH_PREFILL_POSITIONS) warms - so a graph's capture
+    tunes no GEMM while clients wait - and runs at most GRAPH_PREFILL_POSITIONS positions, in widths of multiples of
+    16."""
+    shapes = warm_up_shapes(budget, GRAPH_PREFILL_POSITIONS)
+    warmed = {(triton_class(rows), (rows * width - 1).bit_length()) for rows, width in shapes}
+    pool = pool_with(model64, 64)
+    met = 0
+    for rows in range(1, 65):
+        for width in range(1, group_width(budget, rows) + 1):
+            shape = graph_prefill_shape(pool, pool.rows, rows, width, spare=64 - rows)
+            if shape is None:
+                continue
+            padded_rows, padded = shape
+            met += 1
+            assert padded_rows >= rows and width <= padded and padded % WIDTH_STEP == 0
+            assert padded_rows * padded <= GRAPH_PREFILL_POSITIONS
+            assert (triton_class(padded_rows), (padded_rows * padded - 1).bit_length()) in warmed, (rows, width)
+    assert met > 1000
+
+
+def test_graph_widths_are_multiples_of_16_at_most_a_quarter_wider_from_64_on_and_four_to_an_octave():
+    widths = [graph_width(w) for w in range(1, 16385)]
+    for w, padded in enumerate(widths, start=1):
+        assert w <= padded <= (w + 15 if w < 64 else w * 5 // 4) and padded % 16 == 0, w
+    for octave in range(6, 14):  # widths of 64..16383
+        assert len({p for w, p in enumerate(widths, start=1) if 1 << octave <= w < 2 << octave}) <= 5, octave
+
+
+def test_a_chunk_is_padded_only_from_the_first_staging_slot_within_its_free_slots_and_limits(model64, monkeypatch):
+    """slots.graph_prefill_shape: rows padded to the decode graphs' buckets (powers of two to 8, then multiples of
+    8) and widths to graph_width, where the padding rows are free, the padded chunk within GRAPH_PREFILL_POSITIONS,
+    the pool within GRAPH_PREFILL_CAPACITY; as it is elsewhere, and where no graph can be captured."""
+    pool = pool_with(model64, 32)
+    assert graph_prefill_shape(pool, 32, 16, 512, spare=0) is None  # the CPU
+    monkeypatch.setattr(slots, "graphs_supported", lambda device: True)
+    assert graph_prefill_shape(pool, 32, 16, 512, spare=0) == (16, 512)
+    assert graph_prefill_shape(pool, 32, 3, 528, spare=1) == (4, 640)
+    assert graph_prefill_shape(pool, 32, 3, 528, spare=0) is None  # slot 35 is not free
+    assert graph_prefill_shape(pool, 32, 17, 100, spare=7) == (24, 112)
+    assert graph_prefill_shape(pool, 40, 2, 64, spare=6) is None  # not from the first staging slot
+    assert graph_prefill_shape(pool, 32, 32, 512, spare=0) == (32, 512)
+    assert graph_prefill_shape(pool, 32, 32, 528, spare=0) is None  # 32 x 640 positions
+    big = pool_with(model64, 4, GRAPH_PREFILL_CAPACITY + 1)
+    assert graph_prefill_shape(big, 4, 1, 64, spare=3) is None
+
+
+def test_a_pool_pads_to_at_most_so_many_shapes_and_runs_other_chunks_as_they_are(model64, graph_device):
+    pool = pool_with(model64, 32)
+    widths = [16 * (i + 1) for i in range(GRAPH_PREFILL_SHAPES)]
+    pool.padded_shapes.update((1, width) for width in widths)
+    assert graph_prefill_shape(pool, 32, 1, widths[-1], spare=0) == (1, widths[-1])
+    assert graph_prefill_shape(pool, 32, 1, widths[-1] + 16, spare=0) is None
+    assert graph_prefill_shape(pool, 32, 2, widths[0], spare=0) is None
+    open_slots(model64, run_options(model64, 0), 32, 4 * pool.capacity)  # a grown pool starts again
+    assert graph_prefill_shape(pool, 32, 2, widths[0], spare=0) == (2, 16)
+
+
+def padded_schedule(model, options, rows: list[list[int]], new: int) -> list[list[int]]:
+    """Four prompts through a pool of 4 slots: the fourth prefilled alone into the last staging slot, then the
+    first three together from the first staging slot in chunks of 11 - padded to 4 rows and 16 tokens where a
+    device captures graphs (slots.graph_prefill_shape), over the fourth's slot - then all four decode; at least
+    `new` tokens each, in order."""
+    open_slots(model, options, 4, 256)
+    fourth = prefill_alone(model, 7, rows[3], 16)
+    firsts = [None] * 3
+    for s in range(0, max(len(p) for p in rows[:3]), 11):
+        chunk = [ChunkRow(p[s:s + 11], p[s + 11] if s + 11 < len(p) else None) for p in rows[:3]]
+        got = prefill_slots(model, 4, chunk, 11, [RowSampling()] * 3 if s == 0 else None, spare=1)
+        firsts = [f if f is not None else g for f, g in zip(firsts, got, strict=True)]
+    move_slots(model, [4, 5, 6, 7], [0, 1, 2, 3])
+    made = [[first] for first in [*firsts, fourth]]
+    while min(len(m) for m in made) < new:
+        for result in decode_slots(model, 4, 4):
+            for row in range(4):
+                made[row] += result.tokens[row]
+    return [m[:new] for m in made]
+
+
+@pytest.mark.parametrize("k", [0, 1])
+def test_a_chunk_padded_as_a_graph_runs_it_makes_its_rows_tokens_and_leaves_its_padding_slot_alone(
+        model64, k, graph_device):
+    """padded_schedule's three prompts, padded to 4 rows and 16 tokens over the fourth's slot (the padded chunks run
+    eagerly here, with a graph's static shapes), and the fourth decode the tokens generate() gives each alone
+    (float64): neither the padding row nor the padding positions changed a state."""
+    options = run_options(model64, k)
+    rows, new = prompts(4, seed=11, low=20, high=40), 16
+    alone = [generate(model64, [p], new, options).tokens[0] for p in rows]
+    assert padded_schedule(model64, options, rows, new) == alone
+    assert pool_of(model64).padded_shapes == {(4, 16)}
 
 
 def test_the_prefill_warm_up_runs_its_shapes_on_scratch_states_and_leaves_the_pool_alone(model64):

@@ -600,10 +600,10 @@ def test_continuous_batching_with_graphs_keeps_greedy_mtp_output_and_graph_free_
 def test_decode_steps_captured_up_front_run_no_step_and_leave_nothing_to_capture(k, wider_models):
     """slots.capture_decode_steps (serve calls it whenever its pool is made or grown): one graph per bucket (1, 2,
     4 for 4 slots), none run - the rows that then join and decode make the tokens they make without it - and no
-    capture while they decode."""
+    decode step captured while they decode (their first prefill chunk's graph is: slots.graph_prefill_shape)."""
     from npuport.runtime.graphs import CAPTURES
     from npuport.runtime.run_options import run_options
-    from npuport.runtime.slots import capture_decode_steps, close_slots, open_slots
+    from npuport.runtime.slots import capture_decode_steps, close_slots, open_slots, pool_of
     from tests.test_continuous_batching import joining_schedule, prompts
 
     model = load_model(wider_models["w8a8 moe"], CUDA, torch.bfloat16)
@@ -617,7 +617,38 @@ def test_decode_steps_captured_up_front_run_no_step_and_leave_nothing_to_capture
     captured = CAPTURES.count
     assert captured - before == 3
     assert joining_schedule(model, options, rows, 40) == expected
-    assert CAPTURES.count == captured
+    staging = {key for steps in pool_of(model).staging.values() for key in steps.captured}
+    assert staging == ({("prefill", 16)} | ({("mtp prefill", 16)} if k else set()))  # the 2-row chunks of 7, padded
+    assert CAPTURES.count - captured == len(staging)
+
+
+@pytest.mark.parametrize("k", [0, 1])
+def test_prefill_chunks_padded_into_staging_graphs_give_the_eager_padded_bits(k, wider_models):
+    """serve's prefill chunks as captured graphs (slots.graph_prefill_shape): three prompts from the first staging
+    slot, padded to 4 rows over a slot holding a fourth prompt, give with graphs the tokens the same padded chunks
+    give run eagerly, and greedy MTP the tokens of greedy; the chunks' graphs (with MTP the head's too) are captured
+    once, then replayed."""
+    from npuport.runtime.graphs import CAPTURES
+    from npuport.runtime.run_options import run_options
+    from npuport.runtime.slots import close_slots, pool_of
+    from tests.test_continuous_batching import padded_schedule, prompts
+
+    model = load_model(wider_models["w8a8 moe"], CUDA, torch.bfloat16)
+    rows = prompts(4, seed=11, low=20, high=40)
+    close_slots(model)
+    eager = padded_schedule(model, run_options(model, k, graphs=False, invariant=True), rows, 40)
+    close_slots(model)
+    before = CAPTURES.count
+    assert padded_schedule(model, run_options(model, k, invariant=True), rows, 40) == eager
+    assert pool_of(model).padded_shapes == {(4, 16)}
+    captured = CAPTURES.count - before
+    staging = pool_of(model).staging[4].captured
+    assert set(staging) == ({("prefill", 16)} | ({("mtp prefill", 16)} if k else set()))
+    assert padded_schedule(model, run_options(model, k, invariant=True), rows, 40) == eager  # the same pool: replays
+    assert CAPTURES.count - before == captured
+    if k:
+        close_slots(model)
+        assert padded_schedule(model, run_options(model, 0, invariant=True), rows, 40) == eager
 
 
 def test_a_batcher_tunes_no_gemm_while_it_serves_after_its_prefill_warm_up(wider_models):

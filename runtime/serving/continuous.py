@@ -31,9 +31,11 @@ seed drawn here), so its draws do not depend on its neighbours. Decode steps bat
 follows the batch size unless the steps are batch-invariant (the run options); `serve --batch-invariant` keeps the
 RequestBatcher's one row at a time.
 
-Nothing is compiled, tuned or captured while clients wait: where the Triton kernels run, the batcher prefills a
-chunk of every shape class on scratch states when it starts (warm_up_shapes), and it captures the decode step of
-every batch size whenever it makes or grows its pool (slots.capture_decode_steps).
+Nothing is compiled or tuned while clients wait: where the Triton kernels run, the batcher prefills a chunk of
+every shape class on scratch states when it starts (warm_up_shapes, the chunks padded to run as graphs included),
+and it captures the decode step of every batch size whenever it makes or grows its pool
+(slots.capture_decode_steps). A prefill chunk that runs as a graph (slots.graph_prefill_shape; the prefill
+passes it the free staging slots after the group's) is captured the first time its shape is met.
 """
 
 from __future__ import annotations
@@ -50,6 +52,7 @@ from npuport.devices import graphs_supported, runs_triton
 from npuport.runtime.completion import CANCELLED, Completion, stop_token_end
 from npuport.runtime.generate import SYNC_EVERY
 from npuport.runtime.incremental_text import StopStrings
+from npuport.runtime.prefill import GRAPH_PREFILL_POSITIONS
 from npuport.runtime.serving.batching import ROUND_TOKENS, Batcher, Job, round_seed
 from npuport.runtime.slots import ChunkRow, RowSampling
 from npuport.runtime.text_completions import RuntimeCompletions, TextRequest, TextResult
@@ -91,16 +94,17 @@ def group_width(budget: int, rows: int) -> int:
     return width - width % WIDTH_STEP if width >= WIDTH_STEP else width
 
 
-def warm_up_shapes(budget: int) -> list[tuple[int, int]]:
+def warm_up_shapes(budget: int, padded: int = 0) -> list[tuple[int, int]]:
     """The (rows, width) prefill chunks run when a batcher starts where Triton kernels run (slots.warm_up_prefill),
-    so that no chunk of `budget` positions at most, of any rows and width the batcher forms, meets a kernel to
-    compile or a GEMM to tune while clients wait: Triton specialises an integer argument by whether it is 1 and
-    whether 16 divides it (so rows 1, 2 and 16 stand for every count of rows), and the int8 GEMMs tune per power of
-    two of their rows (rows x width here): for each, widths of every power of two of WIDTH_STEP and up that fits,
-    and the widest multiple of WIDTH_STEP that does."""
+    so that no chunk of `budget` positions at most, of any rows and width the batcher forms - nor one padded to run
+    as a graph, of `padded` positions at most (slots.graph_prefill_shape) - meets a kernel to compile or a GEMM to
+    tune while clients wait: Triton specialises an integer argument by whether it is 1 and whether 16 divides it
+    (so rows 1, 2 and 16 stand for every count of rows), and the int8 GEMMs tune per power of two of their rows
+    (rows x width here): for each, widths of every power of two of WIDTH_STEP and up that fits, and the widest
+    multiple of WIDTH_STEP that does, within the larger of the two limits."""
     shapes = []
     for rows in (1, 2, 16):
-        widest = group_width(budget, rows)
+        widest = group_width(max(budget, padded), rows)
         if widest < WIDTH_STEP:
             continue
         widths = {widest} | {WIDTH_STEP << i for i in range(widest.bit_length()) if WIDTH_STEP << i <= widest}
@@ -192,6 +196,15 @@ class Slots:
                 start = None
         return self.rows + best[0], best[1]
 
+    def free_after(self, slot: int) -> int:
+        """The free staging slots from `slot` (a pool number) on, up to the first taken one."""
+        run = 0
+        for free in self.staging_free[slot - self.rows:]:
+            if not free:
+                break
+            run += 1
+        return run
+
     def mark_staging(self, first: int, count: int, free: bool) -> None:
         """Staging slots first..first + count (pool numbers) taken by a group, or freed."""
         self.staging_free[first - self.rows:first - self.rows + count] = [free] * count
@@ -229,7 +242,8 @@ class ContinuousBatcher(Batcher):
         self._seeds = random.Random()
         self._arrived = itertools.count()
         if runs_triton(runner.model.device):  # kernels to compile, GEMM tiles to tune: now, not while clients wait
-            runner.warm_up_prefill(warm_up_shapes(self.prefill_tokens))
+            padded = GRAPH_PREFILL_POSITIONS if runner.options.graphs else 0
+            runner.warm_up_prefill(warm_up_shapes(self.prefill_tokens, padded))
         self.worker.start()
 
     # -- the worker -------------------------------------------------------------------------------------------
@@ -413,7 +427,8 @@ class ContinuousBatcher(Batcher):
         group.started = True
         width = chunk_width(group.width, max(len(part.tokens) for part in chunk))
         began = time.perf_counter()
-        firsts = self.runner.prefill_slots(group.first, chunk, width, samplers)
+        spare = self.slots.free_after(group.first + len(group.rows))
+        firsts = self.runner.prefill_slots(group.first, chunk, width, samplers, spare)
         if self.steps is not None:
             self.steps.prefilled(sum(len(part.tokens) for part in chunk), time.perf_counter() - began)
         moving = []
