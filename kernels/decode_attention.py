@@ -90,10 +90,29 @@ def decode_attention(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, 
     return decode_attention_reference(q, keys, values, start, gate)
 
 
+# The most scores (batch x heads x queries x keys) the reference holds at once: longer steps (the MTP head's prefill
+# chunks) take their queries a block at a time. A serve chunk of one 16,384-token row over 16,384 positions held
+# 16 GiB of fp32 scores, twice over, and its warm-up ran a server out of memory on an 80 GB GPU.
+REFERENCE_SCORES = 1 << 26
+
+
 def decode_attention_reference(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, start: torch.Tensor,
                                gate: torch.Tensor | None = None) -> torch.Tensor:
     """decode_attention in PyTorch: a masked softmax per head in fp32 (float64 for float64), the weighted sum of the
-    values, rounded once to q's dtype, then the gate as the model applies it."""
+    values, rounded once to q's dtype, then the gate as the model applies it. Queries go a block at a time where
+    their scores would pass REFERENCE_SCORES (each query's result its own: a softmax over its own keys)."""
+    b, t, hq, _ = q.shape
+    block = max(1, REFERENCE_SCORES // (b * hq * keys.shape[1]))
+    if t > block:
+        return torch.cat([decode_attention_reference(q[:, i:i + block], keys, values, start + i,
+                                                     None if gate is None else gate[:, i:i + block])
+                          for i in range(0, t, block)], dim=1)
+    return _attend_block(q, keys, values, start, gate)
+
+
+def _attend_block(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, start: torch.Tensor,
+                  gate: torch.Tensor | None) -> torch.Tensor:
+    """decode_attention_reference of one block of queries q [B, t, Hq, D] at positions start[b] + t."""
     b, t, hq, d = q.shape
     s, hkv = keys.shape[1], keys.shape[2]
     wide = torch.promote_types(q.dtype, torch.float32)
@@ -104,8 +123,8 @@ def decode_attention_reference(q: torch.Tensor, keys: torch.Tensor, values: torc
     written = (key_pos[None, :] <= positions[:, -1:])[:, :, None, None]  # [B, S, 1, 1]
     k = torch.where(written, keys, 0).to(wide).repeat_interleave(hq // hkv, dim=2)  # [B, S, Hq, D]
     v = torch.where(written, values, 0).to(wide).repeat_interleave(hq // hkv, dim=2)
-    scores = torch.einsum("bthd,bshd->bhts", q.to(wide), k) * d**-0.5
-    weights = torch.softmax(scores.masked_fill(~visible[:, None], float("-inf")), dim=-1)
+    scores = torch.einsum("bthd,bshd->bhts", q.to(wide), k).mul_(d**-0.5)
+    weights = torch.softmax(scores.masked_fill_(~visible[:, None], float("-inf")), dim=-1)
     out = torch.einsum("bhts,bshd->bthd", weights, v).to(q.dtype)
     if gate is not None:
         out = out * torch.sigmoid(gate)

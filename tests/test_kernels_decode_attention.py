@@ -177,6 +177,28 @@ def test_reference_matches_the_naive_loop(dtype, with_gate):
     assert_attention_close(got, expected(naive_attention(q, keys, values, start), dtype, gate if with_gate else None))
 
 
+@pytest.mark.parametrize("with_gate", [False, True])
+def test_the_reference_takes_long_steps_a_block_of_queries_at_a_time(monkeypatch, with_gate):
+    """A step whose scores pass REFERENCE_SCORES (the MTP head's prefill chunks: 16 GiB for one row of 16,384
+    tokens) goes a block of queries at a time, 8 blocks here, and gives the naive loop's result."""
+    gen = torch.Generator().manual_seed(10)
+    t = 37
+    start = torch.tensor([0, 20])
+    q, gate, keys, values = step_inputs(gen, len(start), t, 4, 2, 32, torch.float32)
+    gate = gate if with_gate else None
+    whole = decode_attention_reference(q, keys, values, start, gate)
+    scores = len(start) * 4 * keys.shape[1]  # per query
+    calls = []
+    block = attention_module._attend_block
+    monkeypatch.setattr(attention_module, "_attend_block", lambda q, *args: calls.append(q.shape[1]) or block(q, *args))
+    monkeypatch.setattr(attention_module, "REFERENCE_SCORES", 5 * scores)  # blocks of 5 queries
+    blocked = decode_attention_reference(q, keys, values, start, gate)
+    assert calls == [5] * 7 + [2]
+    naive = expected(naive_attention(q, keys, values, start), torch.float32, gate)
+    assert_attention_close(blocked, naive)
+    assert_attention_close(whole, naive)
+
+
 @pytest.mark.parametrize("dtype, t, takes_the_kernel", [(torch.float32, 2, True), (torch.bfloat16, 1, True),
                                                         (torch.float64, 2, False),
                                                         (torch.float32, MAX_TOKENS + 1, False)])
