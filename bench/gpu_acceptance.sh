@@ -1,7 +1,9 @@
 #!/usr/bin/env bash
-# The GPU acceptance runs of issues 40 (W4A8, met in runs AA1-AA3) and 41 (serve), each bounded in time, results under $1:
+# The GPU acceptance runs of issues 40 (W4A8, met in runs AA1-AA3) and 41 (serve, met in runs AB1-AB5), each bounded
+# in time, results under $1:
 #   bash bench/gpu_acceptance.sh OUT [tests|serve|trace|int4|e2e35|e2e397 ...]   (default: tests serve int4 e2e397)
-# - tests:  the GPU tests of continuous batching, decode graphs captured up front, batch-invariant steps and W4A8
+# - tests:  the GPU tests of continuous batching, decode graphs captured up front, prefill chunks padded into staging
+#           graphs, batch-invariant steps and W4A8
 #           (the int4 matvec kernels and grouped GEMMs at real widths, greedy MTP == greedy for a W4A8 artifact);
 # - serve:  issue 41's acceptance: serve with 32 clients against the engine's batch of 32, 35B-A3B widths, 8 layers,
 #           W8A8, MTP off and k = 1, serve's default prefill budget (16,384 tokens a step on a GPU since run AA2)
@@ -45,7 +47,7 @@ for step in ${steps[*]}; do
     case "$step" in
     tests)
         timeout 600 python -m pytest -q -rs tests/test_kernels_on_gpu.py -p no:cacheprovider \
-            -k "continuous or captured_up_front or batch_invariant_steps or int4 or w4a8" 2>&1 \
+            -k "continuous or captured_up_front or padded or batch_invariant_steps or int4 or w4a8" 2>&1 \
             | tee "$out/gpu_tests.log" ;;
     serve)
         serve_model
