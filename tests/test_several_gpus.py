@@ -5,7 +5,8 @@ take the routed-only exchange: the split GEMMs and the all-reduce add in another
 test_kernels_on_gpu.py holds GPU float32 to) and 5e-3 for W8A8 artifacts (an order's last bit can also move an
 activation's int8 rounding), and a BF16-labelled model's greedy tokens are the single-GPU greedy tokens. Steps
 captured as CUDA graphs with their collectives (all-reduce, the expert-parallel all-to-all) give the tokens the
-eager steps give, and greedy MTP output equals greedy output with graphs, in float32 and bf16. A W8A8 MoE's target
+eager steps give, and greedy MTP output equals greedy output with graphs, in float32 and bf16; so do serve's prefill
+chunks padded into staging graphs (tests/test_continuous_batching.py padded_schedule, MTP k = 1). A W8A8 MoE's target
 experts receive int8 over NCCL while the BF16 MTP head's experts receive float tokens, in the same generate call."""
 
 from __future__ import annotations
@@ -20,12 +21,15 @@ from npuport.runtime.expert_parallel import recording_dispatch  # noqa: E402
 from npuport.runtime.generate import forward_logits, generate  # noqa: E402
 from npuport.runtime.loader import load_model  # noqa: E402
 from npuport.runtime.parallel import Parallel  # noqa: E402
+from npuport.runtime.run_options import run_options  # noqa: E402
 from npuport.runtime.several_devices import on_devices  # noqa: E402
+from tests.test_continuous_batching import padded_schedule, prompts  # noqa: E402
 
 PROMPTS = [[31, 7, 1500, 42, 9], list(range(200, 217)), [1000, 3, 77, 640, 12, 18, 901, 5, 33, 2047, 64]]
 # 1,200 tokens: more than expert_parallel.WHOLE_SLICE_TOKENS, so their prefill takes the routed-only exchange
 LONG = [list(range(1, 601)), list(range(700, 1300))]
 NEW_TOKENS = 32
+SLOT_PROMPTS = prompts(4, seed=11, low=20, high=40)
 MODELS = {"source": ("dense-text", "moe-text-per-expert"), "artifact": ("dense-text", "moe-multimodal-fused")}
 # split vs one GPU, float32; a W8A8 artifact looser: a sum's last bit can move an activation's int8 rounding
 TOLERANCE = {"source": 1e-3, "artifact": 5e-3}
@@ -55,6 +59,9 @@ def split_against_one_gpu(path: str) -> dict:
         out[f"{name}_graphs"] = generate(model, PROMPTS, NEW_TOKENS, graphs=True).tokens
         out[f"{name}_mtp"] = {k: generate(model, PROMPTS, NEW_TOKENS, mtp=k, graphs=True).tokens for k in (1, 3)}
         out[f"{name}_mtp_eager"] = generate(model, PROMPTS, NEW_TOKENS, mtp=2, graphs=False).tokens
+        # serve's slots: prefill chunks padded into staging graphs (slots.graph_prefill_shape), their collectives in
+        out[f"{name}_slots"] = {graphs: padded_schedule(model, run_options(model, 1, graphs=graphs), SLOT_PROMPTS, 24)
+                                for graphs in (False, True)}
     if split.config.is_moe:
         with recording_dispatch() as records:  # eager: a replayed graph runs no Python to record
             generate(split, PROMPTS, 3, mtp=1, graphs=False)
@@ -78,6 +85,8 @@ def test_a_model_split_over_two_gpus_matches_one_gpu_with_graphs(origin, kind, t
                      if tokens != got[f"{dtype}_eager"]]
         if got[f"{dtype}_mtp_eager"] != got[f"{dtype}_eager"]:
             problems.append(f"{dtype}: greedy MTP k=2 eager")
+        if got[f"{dtype}_slots"][True] != got[f"{dtype}_slots"][False]:
+            problems.append(f"{dtype}: serve's slots, prefill chunks as graphs vs padded eagerly")
     if "moe" in kind:
         want = ["torch.int8"] if origin == "artifact" else ["torch.float32"]
         if got["payloads"] != {"target": want, "head": ["torch.float32"]} or got["received"] != sorted({*want,
