@@ -103,11 +103,11 @@ def decode_attention_reference(q: torch.Tensor, keys: torch.Tensor, values: torc
     their scores would pass REFERENCE_SCORES (each query's result its own: a softmax over its own keys)."""
     b, t, hq, _ = q.shape
     block = max(1, REFERENCE_SCORES // (b * hq * keys.shape[1]))
-    if t > block:
-        return torch.cat([decode_attention_reference(q[:, i:i + block], keys, values, start + i,
-                                                     None if gate is None else gate[:, i:i + block])
-                          for i in range(0, t, block)], dim=1)
-    return _attend_block(q, keys, values, start, gate)
+    if t <= block:
+        return _attend_block(q, keys, values, start, gate)
+    return torch.cat([_attend_block(q[:, i:i + block], keys, values, start + i,
+                                    None if gate is None else gate[:, i:i + block]) for i in range(0, t, block)],
+                     dim=1)
 
 
 def _attend_block(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, start: torch.Tensor,

@@ -18,7 +18,6 @@ the same call on their parts of the pool, so the collectives inside meet; only r
 from __future__ import annotations
 
 import copy
-import functools
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
@@ -36,7 +35,6 @@ from npuport.runtime.prefill import (
     mtp_prefill_chunk,
     prefill,
     rounded_capacity,
-    static_prefill_chunk,
 )
 from npuport.runtime.run_options import RunOptions
 from npuport.runtime.sampling import (
@@ -155,7 +153,7 @@ class SlotPool:
     head_hidden: torch.Tensor | None = None  # [2 rows, hidden] with MTP: the head's output there
     steps: dict[int, Steps] = field(default_factory=dict)  # decode bucket -> its steps over slots [0, bucket)
     staging: dict[int, Steps] = field(default_factory=dict)  # prefill bucket -> its steps over the first staging slots
-    prefill_graphs: object = None  # the memory pool the prefill graphs share (one runs at a time)
+    prefill_graphs: object = None  # with graphs, the memory pool the staging steps' prefill graphs share
     padded_shapes: set[tuple[int, int]] = field(default_factory=set)  # (rows, width) of the padded chunks run
 
     @property
@@ -178,11 +176,15 @@ class SlotPool:
         return self.steps[bucket]
 
     def staging_steps(self, bucket: int) -> Steps:
-        """The steps over staging slots [rows, rows + bucket), where prefill chunks run as graphs."""
+        """The steps over staging slots [rows, rows + bucket), whose padded prefill (Steps.prefill, mtp_prefill)
+        runs a chunk as a graph; the prefill graphs of every bucket share one memory pool (one runs at a time)."""
         if bucket not in self.staging:
-            self.staging[bucket] = self._steps_over(self.rows, self.rows + bucket)
-        if self.options.graphs and self.prefill_graphs is None:
-            self.prefill_graphs = DeviceGraph.new_pool(self.model.device)
+            steps = self._steps_over(self.rows, self.rows + bucket)
+            if self.options.graphs:
+                if self.prefill_graphs is None:
+                    self.prefill_graphs = DeviceGraph.new_pool(self.model.device)
+                steps.prefill_pool = self.prefill_graphs
+            self.staging[bucket] = steps
         return self.staging[bucket]
 
     def _steps_over(self, start: int, stop: int) -> Steps:
@@ -293,9 +295,8 @@ def prefill_slots(model: Qwen35, first: int, chunk: Sequence[ChunkRow], width: i
     with dispatch(bf16=pool.options.dispatch.bf16):
         if steps is None:
             hidden = prefill(model, state_rows(pool.state, first, first + rows), tokens, n_valid, width)
-        else:
-            hidden = steps.run(("prefill", padded_width), functools.partial(static_prefill_chunk, model),
-                               (steps.state,), [tokens, n_valid], pool.prefill_graphs)
+        else:  # one chunk of padded_width: Steps pads it with static shapes, as a graph with graphs
+            hidden = steps.prefill(tokens, n_valid, padded_width)
         # hidden: [padded_rows, padded_width, hidden]
         firsts: list[int | None] = [None] * rows
         if ending:
@@ -324,14 +325,12 @@ def _prefill_head(pool: SlotPool, first: int, chunk: Sequence[ChunkRow], host_to
         if part.tokens:
             following[b, len(part.tokens) - 1] = part.after if part.after is not None else firsts[b]
     following = following.to(hidden.device)
-    direct = functools.partial(mtp_prefill_chunk, pool.model)
     with batch_invariant(None):
         if steps is None:
             view = state_rows(pool.mtp_state, first, first + rows)
-            logits, out = direct(view, following, hidden, last, n_valid)
+            logits, out = mtp_prefill_chunk(pool.model, view, following, hidden, last, n_valid)
         else:
-            logits, out = steps.run(("mtp prefill", following.shape[1]), direct, (steps.mtp_state,),
-                                    [following, hidden, last, n_valid], pool.prefill_graphs)
+            logits, out = steps.mtp_prefill(following, hidden, n_valid, following.shape[1])
     ending = [b for b in range(rows) if firsts[b] is not None]
     if not ending:
         return

@@ -16,7 +16,7 @@ import pytest
 import torch
 
 from npuport.fixtures.train_tiny import trained_tiny_path
-from npuport.runtime import slots
+from npuport.runtime import graphs, slots
 from npuport.runtime.generate import SYNC_EVERY, generate
 from npuport.runtime.loader import load_model
 from npuport.runtime.prefill import GRAPH_PREFILL_POSITIONS
@@ -340,6 +340,7 @@ def graph_device(monkeypatch):
     """The CPU taken for a device that captures graphs, where slots pads prefill chunks (graph_prefill_shape): the
     padded chunks run eagerly here (the run options say no graphs), with the static shapes a graph captures."""
     monkeypatch.setattr(slots, "graphs_supported", lambda device: True)
+    monkeypatch.setattr(graphs, "graphs_supported", lambda device: True)  # Steps' padded prefill
 
 
 def pool_with(model, rows: int, capacity: int = 256):

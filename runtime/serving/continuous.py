@@ -242,7 +242,8 @@ class ContinuousBatcher(Batcher):
         self._seeds = random.Random()
         self._arrived = itertools.count()
         if runs_triton(runner.model.device):  # kernels to compile, GEMM tiles to tune: now, not while clients wait
-            padded = GRAPH_PREFILL_POSITIONS if runner.options.graphs else 0
+            # chunks are padded where graphs can be captured, with graphs off too (slots.graph_prefill_shape)
+            padded = GRAPH_PREFILL_POSITIONS if graphs_supported(runner.model.device) else 0
             runner.warm_up_prefill(warm_up_shapes(self.prefill_tokens, padded))
         self.worker.start()
 
